@@ -1,0 +1,129 @@
+"""`loadlab run | report | sim | validate`.
+
+`loadlab run` only arranges processes: it validates the profile, then runs Locust headless on
+loadlab/swarm/locustfile.py (the same code as `locust -f locustfile.py`), and prints the run directory
+as the last line of its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from loadlab.profile import ProfileError, load_profile
+from loadlab.swarm.options import add_loadlab_arguments, overrides_from_options
+
+EXIT_BAD_INPUT = 2
+LOCUSTFILE = Path(__file__).parent / "swarm" / "locustfile.py"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sim"]:  # the simulated server parses its own SGLang-style flags
+        from loadlab.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ProfileError as e:
+        print(f"loadlab: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loadlab", description="Load testing for SGLang servers")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a profile headless in one process and write its report")
+    run.add_argument("profile", help="profile YAML, e.g. profiles/rag.yaml")
+    run.add_argument("--host", default=None, help="SGLang server URL (default: the profile's target)")
+    run.add_argument("-t", "--run-time", default=None, help="upper bound on run time, e.g. 90s or 5m")
+    add_loadlab_arguments(run, locust=False)
+    run.add_argument("locust_args", nargs=argparse.REMAINDER, help="after --: extra Locust options")
+    run.set_defaults(func=_cmd_run)
+
+    report = sub.add_parser("report", help="(re)compute summary.json and summary.md for a run directory")
+    report.add_argument("run_dir")
+    report.set_defaults(func=_cmd_report)
+
+    validate = sub.add_parser("validate", help="check profiles without sending load")
+    validate.add_argument("profiles", nargs="+")
+    validate.set_defaults(func=_cmd_validate)
+
+    sub.add_parser("sim", help="the simulated SGLang server (loadlab sim --help)")
+    return parser
+
+
+def _cmd_run(args) -> int:
+    from loadlab.swarm.run import default_run_name
+
+    profile = load_profile(args.profile, overrides_from_options(args, args.host))
+    out = Path(args.out)
+    name = args.run_name or default_run_name(profile.name)
+    candidate, n = name, 1
+    while (out / candidate).exists():
+        n += 1
+        candidate = f"{name}-{n}"
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary"]
+    cmd += ["--profile-file", args.profile, "--out", str(out), "--run-name", candidate]
+    for flag in ("api", "concurrency", "num_requests", "warmup_requests", "input_len", "output_len"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(value)]
+    for flag in ("seed", "tokenizer", "model", "host"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += ["--" + flag, str(value)]
+    for item in args.set or []:
+        cmd += ["--set", item]
+    if args.run_time:
+        cmd += ["--run-time", args.run_time]
+    extra = args.locust_args[1:] if args.locust_args[:1] == ["--"] else args.locust_args
+    cmd += extra
+    # Ctrl-C reaches Locust too (same process group); it finalizes the run, so wait for it.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        status = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    run_dir = out / candidate
+    if not (run_dir / "manifest.json").exists():
+        print(f"loadlab: the run did not start (locust exit status {status})", file=sys.stderr)
+        return status or 1
+    print(run_dir, flush=True)
+    return status
+
+
+def _cmd_report(args) -> int:
+    from loadlab.analysis.report import write_report
+    from loadlab.records import MANIFEST, RECORDS_JSONL, RECORDS_PARQUET
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"loadlab: {run_dir}: not a directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not any((run_dir / name).exists() for name in (RECORDS_PARQUET, RECORDS_JSONL)):
+        print(f"loadlab: {run_dir}: no records ({RECORDS_PARQUET} or {RECORDS_JSONL})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not (run_dir / MANIFEST).exists():
+        print(f"loadlab: {run_dir}: warning: no {MANIFEST}; SLO and load model unknown", file=sys.stderr)
+    write_report(run_dir)
+    print(run_dir / "summary.md")
+    return 0
+
+
+def _cmd_validate(args) -> int:
+    for path in args.profiles:
+        profile = load_profile(path)
+        print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

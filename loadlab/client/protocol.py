@@ -1,0 +1,210 @@
+"""SGLang's wire protocols without Locust: request bodies and decoding of a timed SSE stream.
+
+The reader (``stream.py``) only timestamps and keeps raw lines; everything here runs after the stream
+has ended, off the per-line path, and turns (lines, receipt times) into record fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import orjson
+
+from loadlab.profile import API_PATHS
+from loadlab.records import DROPPED, OK, PROTOCOL_ERROR, STREAM_ERROR
+
+MAX_ERROR_TEXT = 300
+
+
+def build_body(api: str, spec, renderer, model: str | None, rid: str) -> tuple[str, bytes]:
+    """Returns (path, JSON body) for one request spec on the given API."""
+    if api == "generate":
+        body = {
+            "input_ids": renderer.token_ids(spec.input_ids),
+            "sampling_params": {
+                "max_new_tokens": spec.max_new_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            },
+            "stream": True,
+            "rid": rid,
+        }
+    else:
+        body = {
+            "model": model,
+            "max_tokens": spec.max_new_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            # continuous_usage_stats gives a cumulative token count on every chunk, so multi-token
+            # chunks are counted exactly; include_usage adds the final totals chunk.
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        text = renderer.text(spec.input_ids)
+        if api == "completions":
+            body["prompt"] = text
+        else:
+            body["messages"] = [{"role": "user", "content": text}]
+    return API_PATHS[api], orjson.dumps(body)
+
+
+@dataclass(slots=True)
+class Decoded:
+    """What a finished stream says, as record fields."""
+
+    outcome: str = OK
+    error: str | None = None
+    server_id: str | None = None
+    arrival_times: list[float] = field(default_factory=list)  # receipt times of token-carrying events
+    arrival_tokens: list[int] = field(default_factory=list)
+    tokens_per_event_exact: bool = True
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    num_retractions: int | None = None
+    finish_reason: str | None = None
+
+
+def decode_stream(api: str, lines: list[bytes], times: list[float], ended_cleanly: bool) -> Decoded:
+    """Decodes the raw SSE lines of one response. ``ended_cleanly``: the body ended without a transport
+    error (a drop or timeout is already known to the caller, who overrides the outcome)."""
+    out = Decoded()
+    decode_event = _decode_native if api == "generate" else _decode_openai
+    state = _State()
+    saw_done = False
+    for raw, t in zip(lines, times, strict=True):
+        line = raw.rstrip(b"\r\n")
+        if not line or line[:1] == b":":  # event separator or SSE comment
+            continue
+        if not line.startswith(b"data:"):
+            continue  # other SSE fields (event:, id:, retry:) carry nothing we use
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            saw_done = True
+            continue
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            out.outcome, out.error = PROTOCOL_ERROR, f"not JSON in a data line: {_clip(payload)}"
+            return out
+        if not isinstance(event, dict):
+            out.outcome, out.error = PROTOCOL_ERROR, f"data line is not a JSON object: {_clip(payload)}"
+            return out
+        if "error" in event:
+            out.outcome, out.error = STREAM_ERROR, _error_text(event["error"])
+            state.finish(out)
+            return out
+        try:
+            decode_event(event, t, state, out)
+        except (KeyError, TypeError, ValueError) as e:
+            out.outcome = PROTOCOL_ERROR
+            out.error = f"unexpected event shape ({type(e).__name__}: {e}): {_clip(payload)}"
+            return out
+        if out.outcome != OK:
+            state.finish(out)
+            return out
+    state.finish(out)
+    if ended_cleanly and not saw_done and out.finish_reason is None:
+        out.outcome, out.error = DROPPED, "stream ended without a finish_reason or [DONE]"
+    return out
+
+
+class _State:
+    __slots__ = ("tokens", "inexact_events", "final_usage_tokens")
+
+    def __init__(self):
+        self.tokens = 0  # tokens counted so far from the server's cumulative counters
+        self.inexact_events = 0  # OpenAI content chunks seen without a token count
+        self.final_usage_tokens = None
+
+    def finish(self, out: Decoded) -> None:
+        if self.inexact_events:
+            out.tokens_per_event_exact = False
+        if self.final_usage_tokens is not None:
+            out.output_tokens = self.final_usage_tokens
+        elif out.output_tokens is None and out.arrival_tokens:
+            out.output_tokens = sum(out.arrival_tokens)
+
+
+def _decode_native(event: dict, t: float, state: _State, out: Decoded) -> None:
+    meta = event["meta_info"]
+    completion = int(meta["completion_tokens"])
+    new = completion - state.tokens
+    if new > 0:
+        out.arrival_times.append(t)
+        out.arrival_tokens.append(new)
+        state.tokens = completion
+    out.output_tokens = completion
+    out.server_id = meta.get("id", out.server_id)
+    out.prompt_tokens = meta.get("prompt_tokens", out.prompt_tokens)
+    out.cached_tokens = meta.get("cached_tokens", out.cached_tokens)
+    out.num_retractions = meta.get("num_retractions", out.num_retractions)
+    finish = meta.get("finish_reason")
+    if finish is not None:
+        kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+        out.finish_reason = kind
+        if kind == "abort":
+            out.outcome = STREAM_ERROR
+            out.error = "aborted by server: " + _clip(str(finish.get("message", "")))
+
+
+def _decode_openai(event: dict, t: float, state: _State, out: Decoded) -> None:
+    out.server_id = event.get("id", out.server_id)
+    usage = event.get("usage")
+    choices = event.get("choices") or []
+    content = ""
+    if choices:
+        choice = choices[0]
+        delta = choice.get("delta")
+        content = (delta.get("content") or "") if delta is not None else (choice.get("text") or "")
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            out.finish_reason = finish
+            if finish == "abort":
+                out.outcome, out.error = STREAM_ERROR, "aborted by server"
+    if usage:
+        completion = usage.get("completion_tokens")
+        out.prompt_tokens = usage.get("prompt_tokens", out.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            out.cached_tokens = details["cached_tokens"]
+        if completion is not None:
+            completion = int(completion)
+            if not choices:  # the final usage-only chunk
+                state.final_usage_tokens = completion
+            new = completion - state.tokens
+            if new > 0 and choices:
+                out.arrival_times.append(t)
+                out.arrival_tokens.append(new)
+                state.tokens = completion
+            return
+    if content:
+        # No token count on this chunk: count it as one token and mark the record inexact.
+        out.arrival_times.append(t)
+        out.arrival_tokens.append(1)
+        state.inexact_events += 1
+
+
+def error_from_body(status: int, body: bytes) -> str:
+    """One line describing an HTTP error response, from its JSON body where there is one."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return f"HTTP {status}: {_clip(body)}" if body else f"HTTP {status}"
+    if isinstance(data, dict):
+        detail = data.get("error", data.get("message", data.get("detail", data)))
+        return f"HTTP {status}: {_error_text(detail)}"
+    return f"HTTP {status}: {_clip(body)}"
+
+
+def _error_text(err) -> str:
+    if isinstance(err, dict):
+        err = err.get("message", err)
+    return _clip(err if isinstance(err, str) else orjson.dumps(err).decode())
+
+
+def _clip(value) -> str:
+    if isinstance(value, bytes | bytearray):
+        value = bytes(value).decode("utf-8", "replace")
+    value = str(value).replace("\n", " ")
+    return value if len(value) <= MAX_ERROR_TEXT else value[:MAX_ERROR_TEXT] + "..."

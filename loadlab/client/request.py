@@ -1,0 +1,66 @@
+"""One request from spec to record, without Locust: build the body, stream it, decode, fill the record."""
+
+from __future__ import annotations
+
+import time
+
+from loadlab.client.protocol import build_body, decode_stream, error_from_body
+from loadlab.client.stream import Exchange, StreamingClient
+from loadlab.records import CANCELLED, HTTP_ERROR, OK, PROTOCOL_ERROR, RequestRecord
+
+
+def new_exchange() -> Exchange:
+    return Exchange(t_send=time.perf_counter(), t_send_wall=time.time())
+
+
+def send(
+    client: StreamingClient, api: str, spec, renderer, model: str | None, rid: str, ex: Exchange
+) -> None:
+    """Streams one request into ``ex`` (the caller owns it, so a cancelled request still has its data)."""
+    path, body = build_body(api, spec, renderer, model, rid)
+    client.post_stream(path, body, ex)
+
+
+def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id: int, cancelled=False):
+    """Turns a finished (or cancelled) exchange into the request's record."""
+    rec = RequestRecord(
+        index=spec.index,
+        phase=phase,
+        api=api,
+        worker_id=worker_id,
+        user_id=user_id,
+        t_send_wall=ex.t_send_wall,
+        http_status=ex.status,
+        input_len=spec.input_len,
+        max_new_tokens=spec.max_new_tokens,
+        prefix_group=spec.prefix_group,
+    )
+    t_end = ex.t_end if ex.t_end is not None else time.perf_counter()
+    rec.e2e_ms = (t_end - ex.t_send) * 1000.0
+    if ex.transport == HTTP_ERROR:
+        rec.outcome, rec.error = HTTP_ERROR, error_from_body(ex.status, ex.body)
+        return rec
+    clean = ex.transport == OK and not cancelled
+    decoded = decode_stream(api, ex.lines, ex.times, ended_cleanly=clean)
+    t0 = ex.t_send
+    rec.arrival_ms = [(t - t0) * 1000.0 for t in decoded.arrival_times]
+    rec.arrival_tokens = decoded.arrival_tokens
+    rec.ttft_ms = rec.arrival_ms[0] if rec.arrival_ms else None
+    rec.tokens_per_event_exact = decoded.tokens_per_event_exact
+    rec.server_id = decoded.server_id
+    rec.prompt_tokens = decoded.prompt_tokens
+    rec.output_tokens = decoded.output_tokens
+    rec.cached_tokens = decoded.cached_tokens
+    rec.num_retractions = decoded.num_retractions
+    rec.finish_reason = decoded.finish_reason
+    rec.outcome, rec.error = decoded.outcome, decoded.error
+    if cancelled:
+        rec.outcome, rec.error = CANCELLED, "the run stopped while the request was in flight"
+    elif ex.transport != OK:
+        # A transport failure (drop, timeout, connect) outranks what the partial stream said.
+        rec.outcome, rec.error = ex.transport, ex.error
+    elif rec.outcome == OK and rec.output_tokens is None:
+        rec.outcome, rec.error = PROTOCOL_ERROR, "the server reported no completion token count"
+    if ex.lines and ex.times:
+        rec.e2e_ms = (ex.times[-1] - t0) * 1000.0 if rec.outcome == OK else rec.e2e_ms
+    return rec

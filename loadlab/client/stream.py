@@ -1,0 +1,130 @@
+"""One streaming HTTP exchange with every SSE line timestamped on receipt.
+
+The per-line loop only reads a line, takes ``perf_counter()`` and keeps both; decoding happens after
+the stream ends (``protocol.decode_stream``). Lines are read straight from geventhttpclient's response
+(``readline``), which returns each line as soon as its bytes are in; Locust's ``iter_content`` /
+``iter_lines`` are not used because they batch events (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import gevent
+from geventhttpclient import HTTPClient
+from geventhttpclient.response import HTTPConnectionClosed, HTTPParseError
+
+from loadlab.records import CONNECT_ERROR, DROPPED, HTTP_ERROR, OK, TIMEOUT
+
+MAX_ERROR_BODY = 64 * 1024
+HEADERS = {
+    "Content-Type": "application/json",
+    "Accept": "text/event-stream",
+    "Accept-Encoding": "identity",  # compressed streams would be buffered by the decoder
+}
+
+
+@dataclass(slots=True)
+class Exchange:
+    """The raw result of one request: receipt-timed lines and how the transport ended."""
+
+    t_send: float  # perf_counter() just before the request was written
+    t_send_wall: float
+    status: int | None = None
+    lines: list[bytes] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    t_end: float | None = None
+    transport: str = OK  # OK, HTTP_ERROR, DROPPED, TIMEOUT or CONNECT_ERROR
+    error: str | None = None
+    body: bytes = b""  # the body of a non-2xx response
+
+
+class StreamingClient:
+    """A keep-alive connection to one server, for one request at a time (one per Locust user)."""
+
+    def __init__(self, base_url: str, connect_timeout_s: float, idle_timeout_s: float, timeout_s: float):
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        self.base_path = parts.path.rstrip("/")
+        self.timeout_s = timeout_s
+        self._args = dict(
+            host=parts.hostname,
+            port=parts.port or (443 if parts.scheme == "https" else 80),
+            ssl=parts.scheme == "https",
+            connection_timeout=connect_timeout_s,
+            network_timeout=idle_timeout_s,  # per-recv: an idle timeout, not a deadline
+            concurrency=1,
+        )
+        self._http: HTTPClient | None = None
+
+    def _client(self) -> HTTPClient:
+        if self._http is None:
+            self._http = HTTPClient(**self._args)
+        return self._http
+
+    def close(self) -> None:
+        """Drops the connection; the next request opens a fresh one."""
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    def post_stream(self, path: str, body: bytes, ex: Exchange) -> Exchange:
+        """Sends the request and reads the whole stream into ``ex``, timing each line on receipt."""
+        deadline = gevent.Timeout(self.timeout_s)
+        deadline.start()
+        ex.t_send_wall = time.time()
+        ex.t_send = time.perf_counter()
+        try:
+            try:
+                resp = self._client().request("POST", self.base_path + path, body=body, headers=HEADERS)
+            except TimeoutError:
+                ex.transport = TIMEOUT
+                ex.error = f"no response headers within {self._args['network_timeout']:g} s"
+                ex.t_end = time.perf_counter()
+                self.close()
+                return ex
+            except (OSError, HTTPConnectionClosed, HTTPParseError) as e:
+                ex.transport, ex.error = CONNECT_ERROR, f"{type(e).__name__}: {e}"
+                self.close()
+                return ex
+            ex.status = resp.status_code
+            if ex.status >= 300:
+                ex.transport = HTTP_ERROR
+                ex.body = resp.read(MAX_ERROR_BODY)
+                ex.t_end = time.perf_counter()
+                resp.release()
+                self.close()
+                return ex
+            readline = resp.readline
+            lines, times = ex.lines, ex.times
+            perf = time.perf_counter
+            while True:
+                line = readline(b"\n")
+                t = perf()
+                if not line:
+                    break
+                lines.append(line)
+                times.append(t)
+            ex.t_end = times[-1] if times else perf()
+            resp.release()
+        except gevent.Timeout as e:
+            if e is not deadline:
+                raise
+            ex.transport, ex.error = TIMEOUT, f"request took longer than timeout_s={self.timeout_s:g}"
+            ex.t_end = time.perf_counter()
+            self.close()
+        except TimeoutError:
+            ex.transport = TIMEOUT
+            ex.error = f"no data for idle_timeout_s={self._args['network_timeout']:g}"
+            ex.t_end = time.perf_counter()
+            self.close()
+        except (OSError, HTTPConnectionClosed, HTTPParseError) as e:
+            ex.transport, ex.error = DROPPED, f"connection lost mid-stream ({type(e).__name__}: {e})"
+            ex.t_end = time.perf_counter()
+            self.close()
+        finally:
+            deadline.close()
+        return ex

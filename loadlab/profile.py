@@ -1,0 +1,280 @@
+"""Profiles: the YAML description of a load test, its schema, validation and command-line overrides.
+
+Every user mistake becomes one ``ProfileError`` line naming the file, the line, the key and what is
+wrong; callers turn it into exit status 2 before any load is sent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+APIS = ("generate", "completions", "chat")
+API_PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
+EMBEDDED = "embedded"
+
+
+class ProfileError(Exception):
+    """A user mistake in a profile or an override; its message is the one line to print."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+class Target(_Strict):
+    url: str = Field(EMBEDDED, description="SGLang server base URL, or 'embedded' for the simulated server")
+    # Settings for the embedded server, as SGLang launch flags without the dashes
+    # (e.g. max_running_requests: 64); ignored when url is a real server.
+    embedded: dict[str, Any] = Field(default_factory=dict)
+    api: Literal["generate", "completions", "chat"] = "generate"
+    model: str | None = Field(None, description="model name for the OpenAI APIs; default: the server's")
+    tokenizer: str | None = Field(None, description="local tokenizer.json for exact text prompt lengths")
+    timeout_s: float = Field(600.0, gt=0, description="deadline for a whole request")
+    idle_timeout_s: float = Field(60.0, gt=0, description="longest silence allowed within a stream")
+
+    @model_validator(mode="after")
+    def _url_shape(self):
+        if self.url != EMBEDDED and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be 'embedded' or start with http:// or https:// (got {self.url!r})")
+        return self
+
+
+class Load(_Strict):
+    model: Literal["closed"] = "closed"  # closed loop: `concurrency` requests always in flight
+    concurrency: PositiveInt = 8
+
+
+class Requests(_Strict):
+    warmup: NonNegativeInt = 0
+    measured: PositiveInt = 100
+
+
+class Slo(_Strict):
+    ttft_p95_ms: float | None = Field(None, gt=0)
+    tpot_p95_ms: float | None = Field(None, gt=0)
+    itl_p95_ms: float | None = Field(None, gt=0)
+    e2e_p95_ms: float | None = Field(None, gt=0)
+
+
+class RagWorkload(_Strict):
+    kind: Literal["rag"]
+    input_len: PositiveInt = 1024
+    output_len: PositiveInt = 256
+    instruction_len: NonNegativeInt = 48  # shared by every request
+    question_len: PositiveInt = 32  # unique per request
+    passages_per_prompt: PositiveInt = 4
+    corpus_size: PositiveInt = 2000
+    zipf_s: float = Field(1.1, gt=0, description="Zipf exponent of passage popularity")
+
+    @model_validator(mode="after")
+    def _fits(self):
+        fixed = self.instruction_len + self.question_len
+        if self.input_len < fixed + self.passages_per_prompt:
+            raise ValueError(
+                f"input_len {self.input_len} is too short for instruction_len + question_len "
+                f"({fixed}) plus {self.passages_per_prompt} passages of at least one token"
+            )
+        return self
+
+
+class SharedPrefixWorkload(_Strict):
+    kind: Literal["shared_prefix"]
+    num_groups: PositiveInt = 16
+    system_prompt_len: PositiveInt = 2048
+    question_len: PositiveInt = 128
+    output_len: PositiveInt = 256
+
+
+class RandomPrefixWorkload(_Strict):
+    kind: Literal["random_prefix"]
+    input_len: PositiveInt | None = 512
+    input_len_range: tuple[PositiveInt, PositiveInt] | None = None  # drawn uniformly, inclusive
+    output_len: PositiveInt | None = 128
+    output_len_range: tuple[PositiveInt, PositiveInt] | None = None
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        for name in ("input_len", "output_len"):
+            rng = getattr(self, f"{name}_range")
+            if rng is not None and rng[0] > rng[1]:
+                raise ValueError(f"{name}_range must be [low, high] with low <= high (got {list(rng)})")
+            if rng is None and getattr(self, name) is None:
+                raise ValueError(f"set {name} or {name}_range")
+        if self.input_len_range is None and self.input_len is not None and self.input_len < 2:
+            raise ValueError("input_len must be at least 2 (the first two tokens make each prompt unique)")
+        if self.input_len_range is not None and self.input_len_range[0] < 2:
+            raise ValueError("input_len_range must start at 2 or more")
+        return self
+
+
+Workload = Annotated[RagWorkload | SharedPrefixWorkload | RandomPrefixWorkload, Field(discriminator="kind")]
+
+
+class Profile(_Strict):
+    name: str = "unnamed"
+    description: str = ""
+    seed: int = 0
+    target: Target = Field(default_factory=Target)
+    load: Load = Field(default_factory=Load)
+    requests: Requests = Field(default_factory=Requests)
+    workload: Workload
+    slo: Slo = Field(default_factory=Slo)
+
+    @property
+    def total_requests(self) -> int:
+        return self.requests.warmup + self.requests.measured
+
+
+# Command-line overrides common to `loadlab run` and `locust -f locustfile.py`: flag -> profile key.
+CLI_OVERRIDES = {
+    "host": "target.url",
+    "api": "target.api",
+    "concurrency": "load.concurrency",
+    "num_requests": "requests.measured",
+    "warmup_requests": "requests.warmup",
+    "input_len": "workload.input_len",
+    "output_len": "workload.output_len",
+    "seed": "seed",
+    "tokenizer": "target.tokenizer",
+    "model": "target.model",
+}
+
+
+def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> Profile:
+    """Loads and validates a profile file, applying dotted-key overrides ({"load.concurrency": 4})."""
+    path = Path(path)
+    label = str(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ProfileError(f"{label}: profile file not found") from None
+    except OSError as e:
+        raise ProfileError(f"{label}: cannot read profile: {e.strerror}") from None
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ProfileError(f"{label}{where}: not valid YAML: {problem}") from None
+    if data is None:
+        raise ProfileError(f"{label}: profile is empty")
+    if not isinstance(data, dict):
+        raise ProfileError(f"{label}:1: a profile must be a mapping of keys, got {type(data).__name__}")
+    lines = _key_lines(root)
+    kind = data.get("workload", {}).get("kind") if isinstance(data.get("workload"), dict) else None
+    for key, value in (overrides or {}).items():
+        if kind == "shared_prefix" and key == "workload.input_len":
+            raise ProfileError(
+                f"{label}: --input-len: a shared_prefix workload has no input_len; use "
+                "--set workload.system_prompt_len=N or --set workload.question_len=N"
+            )
+        if kind == "random_prefix" and key in ("workload.input_len", "workload.output_len"):
+            data["workload"].pop(key.split(".")[1] + "_range", None)  # a fixed length replaces a range
+        _set_dotted(data, key, value, label)
+    return validate_profile(data, label, lines)
+
+
+def validate_profile(data: dict[str, Any], label: str = "<profile>", lines=None) -> Profile:
+    lines = lines or {}
+    try:
+        profile = Profile.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"] if not _is_union_tag(p, data)]
+        key = ".".join(loc) or "(top level)"
+        line = _line_for(lines, loc)
+        where = f"{label}:{line}" if line else label
+        raise ProfileError(f"{where}: {key}: {_describe(err)}") from None
+    _check_embedded(profile, label, lines)
+    return profile
+
+
+def _check_embedded(profile: Profile, label: str, lines) -> None:
+    if not profile.target.embedded:
+        return
+    from loadlab.sim.cli import check_embedded_settings
+
+    problem = check_embedded_settings(profile.target.embedded)
+    if problem:
+        line = _line_for(lines, ["target", "embedded"])
+        where = f"{label}:{line}" if line else label
+        raise ProfileError(f"{where}: target.embedded: {problem}")
+
+
+def _is_union_tag(part, data) -> bool:
+    # pydantic puts the discriminator value (e.g. 'rag') into the error location; drop it.
+    return part in ("rag", "shared_prefix", "random_prefix")
+
+
+def _describe(err: dict[str, Any]) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "union_tag_invalid" or kind == "union_tag_not_found":
+        return "kind must be one of rag, shared_prefix, random_prefix"
+    msg = err["msg"]
+    msg = msg.removeprefix("Value error, ")
+    given = err.get("input")
+    if kind not in ("value_error",) and not isinstance(given, dict | list):
+        msg = f"{msg} (got {given!r})"
+    return msg
+
+
+def _key_lines(node, prefix=()) -> dict[tuple[str, ...], int]:
+    """Maps each key path in a composed YAML tree to its 1-based line number."""
+    out: dict[tuple[str, ...], int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = prefix + (str(key_node.value),)
+            out[path] = key_node.start_mark.line + 1
+            out.update(_key_lines(value_node, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            path = prefix + (str(i),)
+            out[path] = item.start_mark.line + 1
+            out.update(_key_lines(item, path))
+    return out
+
+
+def _line_for(lines, loc) -> int | None:
+    loc = tuple(loc)
+    while loc:
+        if loc in lines:
+            return lines[loc]
+        loc = loc[:-1]
+    return None
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any, label: str) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ProfileError(f"{label}: override {key}: {part} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_set_option(item: str) -> tuple[str, Any]:
+    """Parses one `--set key=value` override; the value is read as YAML (numbers, lists, null)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ProfileError(f"--set {item!r}: expected KEY=VALUE, e.g. --set workload.zipf_s=1.3")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value

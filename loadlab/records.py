@@ -1,0 +1,192 @@
+"""Per-request records and the run manifest: the raw truth every report is computed from.
+
+Records are appended to ``records.jsonl`` and flushed as each request ends, so a killed run leaves a
+readable file; ``finalize`` converts them to ``records.parquet``. The columns are documented in
+``docs/records.md``; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+RECORDS_JSONL = "records.jsonl"
+RECORDS_PARQUET = "records.parquet"
+MANIFEST = "manifest.json"
+
+# Outcomes a request can end with. "ok" is the only success.
+OK = "ok"
+HTTP_ERROR = "http_error"  # the server answered with a non-2xx status
+STREAM_ERROR = "stream_error"  # an in-stream {"error": ...} event or an abort finish_reason
+DROPPED = "dropped"  # the connection closed before the stream ended
+TIMEOUT = "timeout"  # no byte for idle_timeout_s, or the whole request passed timeout_s
+CONNECT_ERROR = "connect_error"  # could not connect or send the request
+PROTOCOL_ERROR = "protocol_error"  # the server sent something that is not SGLang's wire format
+CANCELLED = "cancelled"  # the run stopped (e.g. -t ran out) while the request was in flight
+OUTCOMES = (OK, HTTP_ERROR, STREAM_ERROR, DROPPED, TIMEOUT, CONNECT_ERROR, PROTOCOL_ERROR, CANCELLED)
+
+WARMUP = "warmup"
+MEASURE = "measure"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request, as the client saw it. Times are milliseconds from the send unless named _wall."""
+
+    index: int  # the request spec's index: (profile, seed, index) determines the request
+    phase: str  # WARMUP or MEASURE
+    api: str  # generate | completions | chat
+    worker_id: str  # the load generator process that sent it
+    user_id: int  # the Locust user (one request in flight per user)
+    t_send_wall: float  # epoch seconds when the request was sent
+    outcome: str = OK
+    error: str | None = None
+    http_status: int | None = None
+    server_id: str | None = None  # meta_info.id (native) or the chunk id (OpenAI), to join server logs
+    ttft_ms: float | None = None  # send -> first event carrying a token
+    e2e_ms: float | None = None  # send -> last line of the stream (or the failure)
+    arrival_ms: list[float] = field(default_factory=list)  # per token-carrying event, offset from send
+    arrival_tokens: list[int] = field(default_factory=list)  # tokens carried by that event
+    tokens_per_event_exact: bool = True  # False when the server gave no per-event token count
+    input_len: int = 0  # prompt length the workload intended
+    max_new_tokens: int = 0
+    prompt_tokens: int | None = None  # server-reported
+    output_tokens: int | None = None  # server-reported completion tokens
+    cached_tokens: int | None = None  # server-reported prefix-cache hit
+    num_retractions: int | None = None  # server-reported (native API only)
+    finish_reason: str | None = None
+    prefix_group: int | None = None
+    t_scheduled_wall: float | None = None  # open-loop load models: when the send was due
+
+    def to_json_line(self) -> bytes:
+        return orjson.dumps(dataclasses.asdict(self)) + b"\n"
+
+
+RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+
+
+class RecordWriter:
+    """Appends records to ``run_dir/records.jsonl``, one flushed line per request."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / RECORDS_JSONL
+        self._file = open(self.path, "ab")  # noqa: SIM115 - kept open for the run
+        self.count = 0
+
+    def write(self, record: RequestRecord) -> None:
+        self._file.write(record.to_json_line())
+        self._file.flush()
+        self.count += 1
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+
+def read_jsonl_records(path: Path) -> list[dict[str, Any]]:
+    """Reads a records.jsonl file; a torn last line (killed writer) is skipped, not fatal."""
+    rows = []
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                continue
+    return rows
+
+
+def load_records(run_dir: Path):
+    """Returns the run's records as a pandas DataFrame (Parquet if written, else the JSONL)."""
+    import pandas as pd
+
+    run_dir = Path(run_dir)
+    parquet = run_dir / RECORDS_PARQUET
+    if parquet.exists():
+        return pd.read_parquet(parquet)
+    jsonl = run_dir / RECORDS_JSONL
+    if not jsonl.exists():
+        raise FileNotFoundError(f"{run_dir}: no {RECORDS_PARQUET} or {RECORDS_JSONL}")
+    rows = read_jsonl_records(jsonl)
+    return pd.DataFrame(rows, columns=list(RECORD_FIELDS))
+
+
+def write_parquet(run_dir: Path) -> Path:
+    """Converts records.jsonl into records.parquet (the JSONL stays as the crash-safe copy)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run_dir = Path(run_dir)
+    rows = read_jsonl_records(run_dir / RECORDS_JSONL) if (run_dir / RECORDS_JSONL).exists() else []
+    columns = {name: [row.get(name) for row in rows] for name in RECORD_FIELDS}
+    table = pa.table({name: pa.array(values, type=_ARROW_TYPES[name]) for name, values in columns.items()})
+    out = run_dir / RECORDS_PARQUET
+    pq.write_table(table, out)
+    return out
+
+
+def _arrow_types() -> dict[str, Any]:
+    import pyarrow as pa
+
+    types = {
+        "index": pa.int64(),
+        "phase": pa.string(),
+        "api": pa.string(),
+        "worker_id": pa.string(),
+        "user_id": pa.int64(),
+        "t_send_wall": pa.float64(),
+        "outcome": pa.string(),
+        "error": pa.string(),
+        "http_status": pa.int64(),
+        "server_id": pa.string(),
+        "ttft_ms": pa.float64(),
+        "e2e_ms": pa.float64(),
+        "arrival_ms": pa.list_(pa.float64()),
+        "arrival_tokens": pa.list_(pa.int64()),
+        "tokens_per_event_exact": pa.bool_(),
+        "input_len": pa.int64(),
+        "max_new_tokens": pa.int64(),
+        "prompt_tokens": pa.int64(),
+        "output_tokens": pa.int64(),
+        "cached_tokens": pa.int64(),
+        "num_retractions": pa.int64(),
+        "finish_reason": pa.string(),
+        "prefix_group": pa.int64(),
+        "t_scheduled_wall": pa.float64(),
+    }
+    missing = set(RECORD_FIELDS) - set(types)
+    assert not missing, f"no Arrow type for record fields {missing}"
+    return types
+
+
+class _LazyTypes(dict):
+    def __missing__(self, key):
+        self.update(_arrow_types())
+        return dict.__getitem__(self, key)
+
+
+_ARROW_TYPES: dict[str, Any] = _LazyTypes()
+
+
+def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
+    """Writes manifest.json atomically (a crash never leaves a half-written manifest)."""
+    path = Path(run_dir) / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir) / MANIFEST
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())

@@ -1,0 +1,84 @@
+"""loadlab's command-line options, shared by `locust -f locustfile.py` and `loadlab run`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loadlab.profile import APIS, CLI_OVERRIDES, parse_set_option
+
+DEFAULT_PROFILE = "profiles/default.yaml"
+DEFAULT_OUT = "reports"
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def add_loadlab_arguments(parser, *, locust: bool) -> None:
+    """Adds loadlab's options. Under Locust they also appear in the web UI and take LOADLAB_* env vars."""
+
+    def add(*names, ui=True, **kw):
+        if locust:
+            kw["env_var"] = "LOADLAB_" + names[0].lstrip("-").replace("-", "_").upper()
+            kw["include_in_web_ui"] = ui
+        parser.add_argument(*names, **kw)
+
+    if locust:
+        add("--profile-file", default=DEFAULT_PROFILE, metavar="PATH", help="loadlab profile (YAML)")
+    add("--api", choices=APIS, default=None, help="SGLang API: native /generate or OpenAI completions/chat")
+    add("--concurrency", type=_positive_int, default=None, help="requests held in flight (Locust's -u wins)")
+    add("--num-requests", type=_positive_int, default=None, help="measured requests")
+    add("--warmup-requests", type=_non_negative_int, default=None, help="warm-up requests, not measured")
+    add("--input-len", type=_positive_int, default=None, help="prompt tokens (workload.input_len)")
+    add("--output-len", type=_positive_int, default=None, help="output tokens (workload.output_len)")
+    add("--seed", type=int, default=None, help="workload seed")
+    add("--tokenizer", default=None, metavar="PATH", help="local tokenizer.json for exact text lengths")
+    add("--model", default=None, help="model name sent on the OpenAI APIs (default: the server's)")
+    add("--out", default=DEFAULT_OUT, metavar="DIR", help="directory that receives the run directory")
+    add(
+        "--run-name",
+        default=None,
+        metavar="NAME",
+        help="run directory name under --out (default: time-profile)",
+    )
+    add(
+        "--set",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        ui=False,
+        help="override any profile key, e.g. --set workload.zipf_s=1.3 (repeatable)",
+    )
+
+
+def overrides_from_options(options, host: str | None) -> dict[str, Any]:
+    """The profile overrides the options ask for, as dotted keys."""
+    out: dict[str, Any] = {}
+    for item in getattr(options, "set", None) or []:
+        key, value = parse_set_option(item)
+        out[key] = value
+    for flag, key in CLI_OVERRIDES.items():
+        value = host if flag == "host" else getattr(options, flag, None)
+        if value not in (None, ""):
+            out[key] = value
+    return out

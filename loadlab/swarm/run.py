@@ -1,0 +1,188 @@
+"""One load-test run inside a Locust process: request tickets, records, manifest, and the end of the run.
+
+Tickets: request indices are handed out in order, warm-up first. A measured ticket is only handed out once
+every warm-up request has finished (a barrier), so no measured request shares the server with warm-up
+traffic; the cost is that the in-flight count dips while the last warm-up requests drain.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import socket
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import gevent
+from gevent.event import Event
+
+import loadlab
+from loadlab.profile import Profile
+from loadlab.records import MEASURE, OK, WARMUP, RecordWriter, write_manifest, write_parquet
+
+log = logging.getLogger("loadlab")
+
+
+class Tickets:
+    """Hands out request indices so each index is sent exactly once, warm-up before measured."""
+
+    def __init__(self, warmup: int, measured: int):
+        self.warmup = warmup
+        self.total = warmup + measured
+        self.next_index = 0
+        self.warmup_finished = 0
+        self.measured_finished = 0
+        self.warmup_done = Event()
+        self.all_done = Event()
+        if warmup == 0:
+            self.warmup_done.set()
+
+    def take(self) -> tuple[int, str] | None:
+        """The next (index, phase), or None when every request has been handed out. May block at the
+        warm-up barrier."""
+        if self.next_index >= self.total:
+            return None
+        index = self.next_index
+        self.next_index += 1
+        if index < self.warmup:
+            return index, WARMUP
+        self.warmup_done.wait()
+        return index, MEASURE
+
+    def finished(self, phase: str) -> None:
+        if phase == WARMUP:
+            self.warmup_finished += 1
+            if self.warmup_finished == self.warmup:
+                self.warmup_done.set()
+        else:
+            self.measured_finished += 1
+            if self.measured_finished == self.total - self.warmup:
+                self.all_done.set()
+
+
+class Run:
+    """A run directory being filled by this process's users."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        profile_path: str,
+        out_root: str,
+        run_name: str | None,
+        target: dict[str, Any],
+        model: str | None,
+        users: int,
+        argv: list[str],
+    ):
+        from loadlab.workload import build_workload
+        from loadlab.workload.text import Renderer
+
+        self.profile = profile
+        self.api = profile.target.api
+        self.model = model
+        self.workload = build_workload(profile)
+        self.renderer = Renderer(profile.target.tokenizer)
+        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured)
+        self.dir = _unique_dir(Path(out_root) / (run_name or default_run_name(profile.name)))
+        self.run_id = self.dir.name
+        self.writer = RecordWriter(self.dir)
+        self.worker_id = f"{socket.gethostname()}:{_pid()}"
+        self.outcomes: dict[str, int] = {}
+        self.finalized = False
+        self.manifest: dict[str, Any] = {
+            "run_id": self.run_id,
+            "profile_path": profile_path,
+            "profile": profile.model_dump(mode="json"),
+            "target": target,
+            "model": model,
+            "load": {
+                "model": "closed",
+                "concurrency": users,
+                "description": f"closed loop, {users} in flight",
+            },
+            "started_wall": time.time(),
+            "ended_wall": None,
+            "complete": False,
+            "counts": {
+                "warmup_expected": profile.requests.warmup,
+                "measured_expected": profile.requests.measured,
+            },
+            "versions": _versions(),
+            "command": argv,
+        }
+        write_manifest(self.dir, self.manifest)
+
+    def record(self, rec) -> None:
+        self.writer.write(rec)
+        self.outcomes[rec.outcome] = self.outcomes.get(rec.outcome, 0) + 1
+        self.tickets.finished(rec.phase)
+
+    @property
+    def complete(self) -> bool:
+        return self.tickets.all_done.is_set()
+
+    def finalize(self) -> dict[str, Any] | None:
+        """Closes the records, writes Parquet, the manifest and the report. Safe to call twice."""
+        if self.finalized:
+            return None
+        self.finalized = True
+        self.writer.close()
+        write_parquet(self.dir)
+        t = self.tickets
+        self.manifest.update(
+            ended_wall=time.time(),
+            complete=self.complete,
+            counts={
+                **self.manifest["counts"],
+                "warmup_finished": t.warmup_finished,
+                "measured_finished": t.measured_finished,
+                "records": self.writer.count,
+                "outcomes": self.outcomes,
+            },
+        )
+        write_manifest(self.dir, self.manifest)
+        from loadlab.analysis.report import write_report
+
+        summary = write_report(self.dir)
+        state = "complete" if self.complete else "PARTIAL (stopped before every request finished)"
+        ok = self.outcomes.get(OK, 0)
+        print(
+            f"loadlab: run {state}: {ok} ok / {self.writer.count} requests; report {self.dir / 'summary.md'}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return summary
+
+
+def default_run_name(profile_name: str) -> str:
+    return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{profile_name}"
+
+
+def _unique_dir(path: Path) -> Path:
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    candidate.mkdir(parents=True)
+    return candidate
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _versions() -> dict[str, str]:
+    import locust
+
+    return {
+        "loadlab": loadlab.__version__,
+        "locust": locust.__version__,
+        "gevent": gevent.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }

@@ -1,0 +1,124 @@
+"""The target server: starting the embedded simulated SGLang server, and asking a server who it is."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+from urllib.parse import urljoin
+
+import orjson
+from geventhttpclient import URL, HTTPClient
+
+READY_PREFIX = "loadlab-sim listening on "
+START_TIMEOUT_S = 30.0
+
+
+class TargetError(Exception):
+    """The target cannot be used; the message is the one line to print."""
+
+
+class EmbeddedServer:
+    """`loadlab sim` as a child process on a free loopback port."""
+
+    def __init__(self, settings: dict[str, Any]):
+        from loadlab.sim.cli import settings_to_argv
+
+        self.argv = [sys.executable, "-m", "loadlab.sim", "--host", "127.0.0.1", "--port", "0"]
+        self.argv += settings_to_argv(settings)
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def start(self) -> str:
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        ready: list[str] = []
+        reader = threading.Thread(target=lambda: ready.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(START_TIMEOUT_S)
+        line = ready[0].strip() if ready else ""
+        if not line.startswith(READY_PREFIX):
+            self.stop()
+            err = (self.proc.stderr.read() or "").strip().splitlines() if self.proc.stderr else []
+            why = err[-1] if err else f"no ready line within {START_TIMEOUT_S:g} s"
+            raise TargetError(f"embedded server did not start: {why}")
+        self.url = line[len(READY_PREFIX) :]
+        # Drain the child's output so it never blocks on a full pipe.
+        for stream in (self.proc.stdout, self.proc.stderr):
+            threading.Thread(target=_drain, args=(stream,), daemon=True).start()
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def _drain(stream) -> None:
+    try:
+        for _ in stream:
+            pass
+    except (OSError, ValueError):
+        pass
+
+
+def get_json(base_url: str, path: str, timeout_s: float = 10.0) -> tuple[int, Any]:
+    """GET base_url + path; returns (status, decoded JSON or None)."""
+    url = URL(urljoin(base_url.rstrip("/") + "/", path.lstrip("/")))
+    client = HTTPClient.from_url(url, connection_timeout=timeout_s, network_timeout=timeout_s)
+    try:
+        resp = client.get(url.request_uri)
+        body = resp.read()
+        try:
+            return resp.status_code, orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return resp.status_code, None
+    finally:
+        client.close()
+
+
+def probe(base_url: str, need_model: bool, wait_s: float = 0.0) -> dict[str, Any]:
+    """Checks the target answers and returns {"server_info": ..., "model": ...}.
+
+    Raises TargetError with one line when it cannot be reached. ``wait_s`` retries connection errors for
+    that long (a server that is still starting)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = _first_json(base_url, ("/server_info", "/get_server_info"))
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise TargetError(f"cannot reach target {base_url}: {e.strerror or e}") from None
+            time.sleep(0.5)
+    model = None
+    if need_model:
+        status, models = get_json(base_url, "/v1/models")
+        data = models.get("data") if isinstance(models, dict) else None
+        if status != 200 or not data:
+            raise TargetError(
+                f"target {base_url}: GET /v1/models gave no model (HTTP {status}); set target.model or --model"
+            )
+        model = data[0].get("id")
+    return {"server_info": info, "model": model}
+
+
+def _first_json(base_url: str, paths: tuple[str, ...]) -> Any:
+    for path in paths:
+        status, data = get_json(base_url, path)
+        if status == 200 and isinstance(data, dict):
+            return data
+    return None
