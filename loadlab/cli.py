@@ -36,9 +36,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage dump) and exit status 2."""
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loadlab", description="Load testing for SGLang servers")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = _Parser(prog="loadlab", description="Load testing for SGLang servers")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     run = sub.add_parser("run", help="run a profile headless in one process and write its report")
     run.add_argument("profile", help="profile YAML, e.g. profiles/rag.yaml")
@@ -63,7 +70,10 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_run(args) -> int:
     from loadlab.swarm.run import default_run_name
 
+    from loadlab.workload.text import Renderer
+
     profile = load_profile(args.profile, overrides_from_options(args, args.host))
+    Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
     out = Path(args.out)
     name = args.run_name or default_run_name(profile.name)
     candidate, n = name, 1

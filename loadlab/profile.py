@@ -191,6 +191,8 @@ def validate_profile(data: dict[str, Any], label: str = "<profile>", lines=None)
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(p) for p in err["loc"] if not _is_union_tag(p, data)]
+        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            loc.append("kind")
         key = ".".join(loc) or "(top level)"
         line = _line_for(lines, loc)
         where = f"{label}:{line}" if line else label

@@ -18,6 +18,8 @@ from loadlab.swarm.options import add_loadlab_arguments, overrides_from_options
 from loadlab.swarm.run import Run
 from loadlab.swarm.users import SGLangUser
 from loadlab.target import EmbeddedServer, TargetError, probe
+from loadlab.workload import build_workload
+from loadlab.workload.text import Renderer
 
 __all__ = ["SGLangUser"]
 
@@ -45,6 +47,8 @@ class _Session:
         self.environment = environment
         self.profile_path = opts.profile_file
         self.profile = load_profile(self.profile_path, overrides_from_options(opts, environment.host))
+        self.workload = build_workload(self.profile)
+        self.renderer = Renderer(self.profile.target.tokenizer)  # a bad tokenizer file fails here
         self.embedded: EmbeddedServer | None = None
         target = self.profile.target
         if target.url == "embedded":
@@ -94,6 +98,8 @@ def _on_test_start(environment, **_kw):
     run = Run(
         session.profile,
         session.profile_path,
+        session.workload,
+        session.renderer,
         environment.parsed_options.out,
         environment.parsed_options.run_name,
         session.target_info,

@@ -70,6 +70,8 @@ class Run:
         self,
         profile: Profile,
         profile_path: str,
+        workload,
+        renderer,
         out_root: str,
         run_name: str | None,
         target: dict[str, Any],
@@ -77,14 +79,11 @@ class Run:
         users: int,
         argv: list[str],
     ):
-        from loadlab.workload import build_workload
-        from loadlab.workload.text import Renderer
-
         self.profile = profile
         self.api = profile.target.api
         self.model = model
-        self.workload = build_workload(profile)
-        self.renderer = Renderer(profile.target.tokenizer)
+        self.workload = workload
+        self.renderer = renderer
         self.tickets = Tickets(profile.requests.warmup, profile.requests.measured)
         self.dir = _unique_dir(Path(out_root) / (run_name or default_run_name(profile.name)))
         self.run_id = self.dir.name
