@@ -1,0 +1,109 @@
+"""End to end against the embedded simulated server: real Locust, real server process, real files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadlab.records import load_records, read_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def loadlab_run(tmp_path, *args, timeout=180):
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadlab.cli", "run", *args, "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = Path(proc.stdout.strip().splitlines()[-1])
+    assert run_dir.parent == tmp_path, proc.stdout[-2000:]
+    return run_dir, proc
+
+
+def test_main_command_writes_a_report(tmp_path):
+    """The README's main command, as is, with the default profile (out dir redirected)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", "locustfile.py", "--headless", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = list(tmp_path.iterdir())
+    for name in ("summary.json", "summary.md", "records.parquet", "records.jsonl", "manifest.json"):
+        assert (run_dir / name).exists(), name
+    assert str(run_dir / "summary.md") in proc.stderr  # it says where the report is
+    summary = json.loads((run_dir / "summary.json").read_text())
+    manifest = read_manifest(run_dir)
+    assert manifest["complete"] is True
+    measured = manifest["profile"]["requests"]["measured"]
+    assert summary["completed"] == measured and summary["failed"] == 0
+    records = load_records(run_dir)
+    measure = records[records.phase == "measure"]
+    assert sorted(measure["index"]) == list(range(32, 32 + measured))  # warm-up indices 0..31 excluded
+    # 16 users held in flight: the measured in-flight count stays near 16.
+    assert summary["in_flight"]["max"] == 16
+    assert 12 <= summary["in_flight"]["mean"] <= 16
+    assert (measure.output_tokens == 64).all()
+    assert summary["p99_ttft_ms"] >= summary["median_ttft_ms"] > 0
+
+
+@pytest.mark.parametrize("api", ["generate", "completions", "chat"])
+def test_shared_prefix_hits_the_cache_and_random_prefix_does_not(tmp_path, api):
+    common = ["--api", api, "--concurrency", "8", "--warmup-requests", "8", "--num-requests", "24"]
+    shared_dir, _ = loadlab_run(
+        tmp_path,
+        "profiles/shared-system-prompt.yaml",
+        *common,
+        "--output-len",
+        "16",
+        "--set",
+        "workload.num_groups=4",  # the warm-up touches every group first
+    )
+    random_dir, _ = loadlab_run(tmp_path, "profiles/random-prefix.yaml", *common, "--output-len", "16")
+    shared = json.loads((shared_dir / "summary.json").read_text())
+    rand = json.loads((random_dir / "summary.json").read_text())
+    assert shared["completed"] == 24 and rand["completed"] == 24
+    # 2048 shared of 2176 prompt tokens: the server should report ~94% cached.
+    assert shared["cached_token_ratio"] > 0.8, shared["cached_token_ratio"]
+    assert rand["cached_token_ratio"] < 0.02, rand["cached_token_ratio"]
+    records = load_records(shared_dir)
+    assert (records.output_tokens == 16).all()
+    assert records.server_id.notna().all()
+
+
+@pytest.mark.parametrize("api", ["generate", "completions", "chat"])
+def test_rag_profile_runs_on_every_api(tmp_path, api):
+    run_dir, _ = loadlab_run(
+        tmp_path,
+        "profiles/rag.yaml",
+        "--api",
+        api,
+        "--concurrency",
+        "8",
+        "--warmup-requests",
+        "4",
+        "--num-requests",
+        "16",
+        "--output-len",
+        "12",
+    )
+    records = load_records(run_dir)
+    assert len(records) == 20 and (records.outcome == "ok").all()
+    measure = records[records.phase == "measure"]
+    assert (measure.output_tokens == 12).all()
+    if api == "chat":  # the chat template adds tokens the server counts
+        assert (measure.prompt_tokens >= 1024).all()
+    else:
+        assert (measure.prompt_tokens == 1024).all()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["slo"]["objectives"] and summary["slo"]["pass"] in (True, False)
