@@ -1,0 +1,523 @@
+"""Per-request metrics and the run summary, computed exactly from the raw records.
+
+Every number here comes from the records (``loadlab.records``) of the measured phase; nothing is
+rounded or bucketed before the percentiles are taken. Percentiles are ``numpy.percentile`` with linear
+interpolation (numpy's default, the same as sglang ``bench_serving``), standard deviations are the
+population ones (``numpy.std``, ddof=0, as ``bench_serving``). The definitions, with the reasons for
+each, are in ``docs/metrics.md``; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from loadlab.records import MEASURE, OK, RECORD_FIELDS, WARMUP
+
+SUMMARY_SCHEMA = "loadlab.summary/1"
+PERCENTILES = (90, 95, 99)
+PERCENTILE_METHOD = "exact: numpy.percentile over the raw per-request samples, linear interpolation"
+
+# Latency metrics in the summary, in display order: key stem -> what it is.
+LATENCY_METRICS = {
+    "ttft_ms": "time to first token",
+    "tpot_ms": "time per output token, (E2E - TTFT) / (output_tokens - 1)",
+    "tpot_decode_ms": "time per decoded token, (E2E - TTFT) / (output_tokens - tokens in 1st event)",
+    "itl_ms": "inter-token latency, per token",
+    "itl_per_event_ms": "inter-event gap, one per token-carrying event",
+    "e2e_latency_ms": "end-to-end latency",
+}
+
+# SLO keys in the profile: "<metric>_p<percentile>_ms" -> the latency metric they bound.
+SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2e": "e2e_latency_ms"}
+_SLO_KEY = re.compile(r"^(ttft|tpot|itl|e2e)_p(\d+(?:\.\d+)?)_ms$")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small exact statistics
+
+
+def describe(samples: Any, stem: str) -> dict[str, float | None]:
+    """bench_serving-style keys for one metric: mean_X, median_X, std_X, p90_X, p95_X, p99_X, min_X,
+    max_X. All None when there are no samples. The median is the linear-interpolation 50th percentile
+    (equal to numpy.median up to the last bit)."""
+    arr = np.asarray(samples, dtype=float).ravel()
+    arr = arr[np.isfinite(arr)]
+    stats = ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES), "min", "max")
+    if arr.size == 0:
+        return {f"{stat}_{stem}": None for stat in stats}
+    quantiles = np.percentile(arr, [0, 50, *PERCENTILES, 100], method="linear")  # one partition
+    out: dict[str, float | None] = {
+        f"mean_{stem}": float(np.mean(arr)),
+        f"median_{stem}": float(quantiles[1]),
+        f"std_{stem}": float(np.std(arr)),
+    }
+    for p, value in zip(PERCENTILES, quantiles[2:-1], strict=True):
+        out[f"p{p}_{stem}"] = float(value)
+    out[f"min_{stem}"] = float(quantiles[0])
+    out[f"max_{stem}"] = float(quantiles[-1])
+    return out
+
+
+def percentile(samples: Any, q: float) -> float | None:
+    """The exact q-th percentile (0..100) with linear interpolation; None without samples."""
+    arr = np.asarray(samples, dtype=float).ravel()
+    arr = arr[np.isfinite(arr)]
+    if arr.size == 0:
+        return None
+    return float(np.percentile(arr, q, method="linear"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-request metrics
+
+
+def as_array(value: Any) -> np.ndarray:
+    """A record's list column as a float array: accepts lists, numpy arrays (Parquet), None and NaN."""
+    if value is None:
+        return np.empty(0)
+    if isinstance(value, float) and math.isnan(value):
+        return np.empty(0)
+    try:
+        arr = np.asarray(value, dtype=float).ravel()
+    except (TypeError, ValueError):
+        return np.empty(0)
+    return arr
+
+
+def token_events(arrival_ms: Any, arrival_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The token-carrying events of one request as (offset ms, tokens). Events carrying no token are
+    dropped; a missing token list counts one token per event."""
+    ms = as_array(arrival_ms)
+    tok = as_array(arrival_tokens)
+    if tok.size == 0:
+        tok = np.ones(ms.size)
+    n = min(ms.size, tok.size)
+    ms, tok = ms[:n], np.rint(tok[:n])
+    keep = np.isfinite(ms) & np.isfinite(tok) & (tok > 0)
+    return ms[keep], tok[keep].astype(np.int64)
+
+
+def itl_samples(arrival_ms: Any, arrival_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
+    """One request's ITL samples: (per token, per event).
+
+    For consecutive token-carrying events j-1, j the gap is arrival_ms[j] - arrival_ms[j-1]; event j
+    contributes gap / tokens[j], repeated tokens[j] times, to the per-token samples (bench_serving's
+    native backend), and the raw gap once to the per-event samples (its OpenAI backends).
+    """
+    return itl_from_events(*token_events(arrival_ms, arrival_tokens))
+
+
+def itl_from_events(ms: np.ndarray, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``itl_samples`` on events already cleaned by ``token_events``."""
+    if ms.size < 2:
+        return np.empty(0), np.empty(0)
+    gaps = np.diff(ms)
+    per_token = np.repeat(gaps / tok[1:], tok[1:])
+    return per_token, gaps
+
+
+def pooled_events(arrival_ms: list[Any], arrival_tokens: list[Any]) -> dict[str, np.ndarray]:
+    """``itl_samples`` and ``token_events`` over many requests at once, vectorised.
+
+    Returns the pooled ITL samples (``itl_per_token``, ``itl_per_event``) and, per request,
+    ``first_tokens`` (tokens in the first token-carrying event; NaN without one) and ``token_sum``.
+    """
+    n_rows = len(arrival_ms)
+    ms_parts, tok_parts, lengths = [], [], np.zeros(n_rows, dtype=np.int64)
+    for row, (ms, tok) in enumerate(zip(arrival_ms, arrival_tokens, strict=True)):
+        n_ms, n_tok = _length(ms), _length(tok)
+        if n_ms == 0:
+            continue
+        if n_tok != n_ms:  # rare: no per-event counts (one token each) or a ragged pair; clean it alone
+            ms, tok = token_events(ms, tok)
+            n_ms = ms.size
+        ms_parts.append(ms)
+        tok_parts.append(tok)
+        lengths[row] = n_ms
+    total = int(lengths.sum())
+    if total:
+        flat_ms = _concat(ms_parts, total)
+        flat_tok = np.rint(_concat(tok_parts, total))
+    else:
+        flat_ms, flat_tok = np.empty(0), np.empty(0)
+    rows = np.repeat(np.arange(n_rows), lengths)
+    keep = np.isfinite(flat_ms) & np.isfinite(flat_tok) & (flat_tok > 0)
+    flat_ms, flat_tok, rows = flat_ms[keep], flat_tok[keep].astype(np.int64), rows[keep]
+
+    first = np.ones(rows.size, dtype=bool)
+    first[1:] = rows[1:] != rows[:-1]
+    later = ~first
+    gaps = np.diff(flat_ms, prepend=np.nan)[later]
+    later_tok = flat_tok[later]
+    first_tokens = np.full(n_rows, np.nan)
+    first_tokens[rows[first]] = flat_tok[first]
+    return {
+        "itl_per_token": np.repeat(gaps / later_tok, later_tok) if gaps.size else np.empty(0),
+        "itl_per_event": gaps,
+        "first_tokens": first_tokens,
+        "token_sum": np.bincount(rows, weights=flat_tok, minlength=n_rows).astype(float),
+    }
+
+
+def _concat(parts: list[Any], total: int) -> np.ndarray:
+    """Concatenates lists (JSONL) and arrays (Parquet) into one float array."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts).astype(float, copy=False)
+    return np.fromiter(itertools.chain.from_iterable(parts), dtype=float, count=total)
+
+
+def _length(value: Any) -> int:
+    if value is None or isinstance(value, float):
+        return 0
+    try:
+        return len(value)
+    except TypeError:
+        return 0
+
+
+def in_flight(starts: Any, ends: Any, window_start: float, window_end: float) -> dict[str, float | None]:
+    """Requests in flight over [window_start, window_end], exactly, by an event sweep.
+
+    Each request is in flight over [start, end). Returns the time-weighted mean and the min and max of
+    the in-flight count over the parts of the window of positive length. None without a window.
+    """
+    none = {"mean": None, "min": None, "max": None}
+    if not (_finite(window_start) and _finite(window_end)) or window_end <= window_start:
+        return none
+    s = np.asarray(starts, dtype=float).ravel()
+    e = np.asarray(ends, dtype=float).ravel()
+    ok = np.isfinite(s) & np.isfinite(e)
+    s = np.maximum(s[ok], window_start)
+    e = np.minimum(e[ok], window_end)
+    keep = e > s
+    s, e = s[keep], e[keep]
+    times = np.concatenate([[window_start], s, e, [window_end]])
+    deltas = np.concatenate([[0], np.ones(s.size), -np.ones(e.size), [0]])
+    order = np.lexsort((deltas, times))  # by time; at equal times ends (-1) before starts (+1)
+    times, deltas = times[order], deltas[order]
+    counts = np.cumsum(deltas)[:-1]  # the count over [times[k], times[k+1])
+    lengths = np.diff(times)
+    positive = lengths > 0
+    counts, lengths = counts[positive], lengths[positive]
+    if counts.size == 0:
+        return none
+    return {
+        "mean": float(np.sum(counts * lengths) / (window_end - window_start)),
+        "min": int(np.min(counts)),
+        "max": int(np.max(counts)),
+    }
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return x is not None and math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# Record columns, tolerant of missing columns, nulls and either storage (JSONL lists, Parquet arrays)
+
+
+def _numeric(df: pd.DataFrame, col: str) -> np.ndarray:
+    if col not in df.columns:
+        return np.full(len(df), np.nan)
+    return pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
+
+
+def _strings(df: pd.DataFrame, col: str) -> np.ndarray:
+    if col not in df.columns:
+        return np.full(len(df), None, dtype=object)
+    return np.array([v if isinstance(v, str) else None for v in df[col].tolist()], dtype=object)
+
+
+def _objects(df: pd.DataFrame, col: str) -> list[Any]:
+    if col not in df.columns:
+        return [None] * len(df)
+    return df[col].tolist()
+
+
+def _bools(df: pd.DataFrame, col: str, default: bool) -> np.ndarray:
+    if col not in df.columns:
+        return np.full(len(df), default)
+    return np.array(
+        [
+            default if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) else bool(v)
+            for v in df[col].tolist()
+        ],
+        dtype=bool,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Manifest helpers
+
+
+def _get(mapping: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(mapping, dict):
+            return None
+        mapping = mapping.get(key)
+    return mapping
+
+
+def describe_load(manifest: dict[str, Any]) -> tuple[str, int | None, float | None]:
+    """(load model in words, max_concurrency, request_rate) from the manifest's resolved profile."""
+    load = _get(manifest, "profile", "load")
+    if not isinstance(load, dict):
+        return "unknown", None, None
+    model = load.get("model")
+    concurrency = load.get("concurrency")
+    rate = load.get("rate", load.get("request_rate"))
+    if model == "closed" or (model is None and concurrency is not None):
+        text = f"closed loop, {concurrency} in flight" if concurrency is not None else "closed loop"
+        return text, _int_or_none(concurrency), None
+    if model is not None:
+        text = f"{model} loop" if model == "open" else str(model)
+        if rate is not None:
+            arrival = load.get("arrival")
+            text += f", {rate} req/s" + (f" ({arrival})" if arrival else "")
+        if concurrency is not None:
+            text += f", at most {concurrency} in flight"
+        return text, _int_or_none(concurrency), _float_or_none(rate)
+    return "unknown", _int_or_none(concurrency), _float_or_none(rate)
+
+
+def _int_or_none(x: Any) -> int | None:
+    return int(x) if _finite(x) else None
+
+
+def _float_or_none(x: Any) -> float | None:
+    return float(x) if _finite(x) else None
+
+
+def slo_objectives(slo: Any) -> tuple[list[tuple[str, float, float, str]], list[str]]:
+    """Parses the profile's slo mapping into [(metric, percentile, threshold_ms, key)] and the keys it
+    did not understand. Keys look like ttft_p95_ms; null values are unset objectives."""
+    objectives, unknown = [], []
+    if not isinstance(slo, dict):
+        return objectives, unknown
+    for key, threshold in slo.items():
+        if threshold is None:
+            continue
+        match = _SLO_KEY.match(str(key))
+        if not match or not _finite(threshold):
+            unknown.append(str(key))
+            continue
+        q = float(match.group(2))
+        objectives.append(
+            (SLO_METRICS[match.group(1)], int(q) if q.is_integer() else q, float(threshold), key)
+        )
+    order = list(SLO_METRICS.values())
+    objectives.sort(key=lambda o: (order.index(o[0]), o[1]))
+    return objectives, unknown
+
+
+# ---------------------------------------------------------------------------------------------------
+# The summary
+
+
+def compute_summary(df: pd.DataFrame | None, manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """The run summary from its records (a DataFrame as ``load_records`` returns) and manifest.
+
+    Pure: reads nothing, writes nothing. Keys follow sglang bench_serving where it has one (duration,
+    completed, total_input_tokens, ..., mean_ttft_ms, p99_itl_ms, median_e2e_latency_ms, concurrency);
+    the rest are documented in docs/metrics.md.
+    """
+    manifest = manifest if isinstance(manifest, dict) else {}
+    if df is None:
+        df = pd.DataFrame(columns=list(RECORD_FIELDS))
+    df = df.reset_index(drop=True)
+
+    phase = _strings(df, "phase")
+    outcome = _strings(df, "outcome")
+    measured = phase == MEASURE
+    warmup = phase == WARMUP
+    ok = measured & (outcome == OK)
+    not_ok = measured & ~ok
+
+    t_send = _numeric(df, "t_send_wall")
+    ttft = _numeric(df, "ttft_ms")
+    e2e = _numeric(df, "e2e_ms")
+    prompt_tokens = _numeric(df, "prompt_tokens")
+    output_tokens = _numeric(df, "output_tokens")
+    cached_tokens = _numeric(df, "cached_tokens")
+    input_len = _numeric(df, "input_len")
+    max_new_tokens = _numeric(df, "max_new_tokens")
+    exact = _bools(df, "tokens_per_event_exact", True)
+    arrival_ms = _objects(df, "arrival_ms")
+    arrival_tokens = _objects(df, "arrival_tokens")
+
+    # Failures by kind.
+    failures: dict[str, int] = {}
+    for kind in outcome[not_ok]:
+        key = kind if kind else "unknown"
+        failures[key] = failures.get(key, 0) + 1
+    failures = dict(sorted(failures.items()))
+
+    # Per-request samples of the completed (ok, measured) requests.
+    ok_idx = np.flatnonzero(ok)
+    events = pooled_events([arrival_ms[i] for i in ok_idx], [arrival_tokens[i] for i in ok_idx])
+    out_tokens_resolved = output_tokens.copy()
+    missing_output = ok & ~np.isfinite(output_tokens)
+    output_fallback = int(missing_output.sum())
+    out_tokens_resolved[ok_idx] = np.where(
+        np.isfinite(output_tokens[ok_idx]), output_tokens[ok_idx], events["token_sum"]
+    )
+    ok_ttft, ok_e2e, ok_out = ttft[ok_idx], e2e[ok_idx], out_tokens_resolved[ok_idx]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tpot = (ok_e2e - ok_ttft) / (ok_out - 1)
+        tpot = tpot[(ok_out > 1) & np.isfinite(tpot)]
+        decode_denominator = ok_out - events["first_tokens"]
+        tpot_decode = (ok_e2e - ok_ttft) / decode_denominator
+        tpot_decode = tpot_decode[(decode_denominator > 0) & np.isfinite(tpot_decode)]
+    samples = {
+        "ttft_ms": ok_ttft[np.isfinite(ok_ttft)],
+        "tpot_ms": tpot,
+        "tpot_decode_ms": tpot_decode,
+        "itl_ms": events["itl_per_token"],
+        "itl_per_event_ms": events["itl_per_event"],
+        "e2e_latency_ms": ok_e2e[np.isfinite(ok_e2e)],
+    }
+
+    # The measured window: first measured send to last measured end, any outcome.
+    end_wall = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
+    m_send = t_send[measured & np.isfinite(t_send)]
+    m_end = end_wall[measured & np.isfinite(t_send)]
+    if m_send.size:
+        window_start, window_end = float(np.min(m_send)), float(np.max(m_end))
+        duration = window_end - window_start
+    else:
+        window_start = window_end = None
+        duration = None
+    has_duration = duration is not None and duration > 0
+
+    # Token totals over completed requests.
+    completed = int(ok.sum())
+    input_known = np.isfinite(prompt_tokens[ok])
+    input_fallback = int((~input_known).sum())
+    input_vals = np.where(input_known, prompt_tokens[ok], input_len[ok])
+    total_input = int(np.nansum(input_vals)) if completed else 0
+    total_output = int(np.nansum(out_tokens_resolved[ok])) if completed else 0
+
+    # Cached-token ratio over completed requests reporting both counts.
+    both = ok & np.isfinite(cached_tokens) & np.isfinite(prompt_tokens)
+    cached_reported = int(both.sum())
+    prompt_sum = float(np.sum(prompt_tokens[both]))
+    cached_ratio = (
+        float(np.sum(cached_tokens[both]) / prompt_sum) if cached_reported and prompt_sum > 0 else None
+    )
+
+    # In flight: all records' intervals (warm-up and failures are real load) over the measured window.
+    flight = (
+        in_flight(t_send, end_wall, window_start, window_end)
+        if has_duration
+        else {"mean": None, "min": None, "max": None}
+    )
+    e2e_ok_s = e2e[ok]
+    e2e_ok_s = e2e_ok_s[np.isfinite(e2e_ok_s)] / 1000.0
+
+    # NaN compares False, so requests missing either count are not short.
+    short = ok & (max_new_tokens > 0) & (out_tokens_resolved < max_new_tokens)
+
+    load_text, max_concurrency, request_rate = describe_load(manifest)
+    counts = manifest.get("counts") if isinstance(manifest.get("counts"), dict) else {}
+    expected_measured = _int_or_none(counts.get("measured_expected"))
+    complete = manifest.get("complete")
+    complete = bool(complete) if isinstance(complete, bool) else None
+    measured_requests = int(measured.sum())
+    partial = complete is not True or (
+        expected_measured is not None and measured_requests < expected_measured
+    )
+    profile = manifest.get("profile") if isinstance(manifest.get("profile"), dict) else {}
+
+    def per_s(x: float) -> float | None:
+        return x / duration if has_duration else None
+
+    summary: dict[str, Any] = {
+        "schema": SUMMARY_SCHEMA,
+        "run_id": manifest.get("run_id"),
+        "profile_name": profile.get("name"),
+        "target_url": _get(manifest, "target", "url") or _get(profile, "target", "url"),
+        "api": _get(manifest, "target", "api") or _get(profile, "target", "api"),
+        "server_version": _get(manifest, "target", "server_info", "version"),
+        "load_model": load_text,
+        "max_concurrency": max_concurrency,
+        "request_rate": request_rate,
+        "complete": complete,
+        "partial": bool(partial),
+        "warmup_requests": int(warmup.sum()),
+        "measured_requests": measured_requests,
+        "expected_measured": expected_measured,
+        "completed": completed,
+        "failed": int(not_ok.sum()),
+        "failures": failures,
+        "duration": duration,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "input_tokens_fallback": input_fallback,
+        "output_tokens_fallback": output_fallback,
+        "request_throughput": per_s(completed),
+        "input_throughput": per_s(total_input),
+        "output_throughput": per_s(total_output),
+        "total_throughput": per_s(total_input + total_output),
+        "concurrency": per_s(float(np.sum(e2e_ok_s))) if completed else (0.0 if has_duration else None),
+        "in_flight": flight,
+        "cached_token_ratio": cached_ratio,
+        "cached_tokens_reported": cached_reported,
+        "tokens_per_event_inexact": int((ok & ~exact).sum()),
+        "short_outputs": int(short.sum()),
+        "percentile_method": PERCENTILE_METHOD,
+        "samples": {stem: int(arr.size) for stem, arr in samples.items()},
+    }
+    for stem, arr in samples.items():
+        summary.update(describe(arr, stem))
+    summary["slo"] = evaluate_slo(profile.get("slo"), samples, summary["failed"])
+    return clean(summary)
+
+
+def evaluate_slo(slo: Any, samples: dict[str, np.ndarray], failed: int) -> dict[str, Any]:
+    """Each objective's percentile against its threshold (pass when value <= threshold); an objective
+    with no samples fails. ``pass`` is all objectives passing, None when there are none."""
+    objectives, unknown = slo_objectives(slo)
+    results = []
+    for metric, q, threshold, key in objectives:
+        value = percentile(samples.get(metric, np.empty(0)), q)
+        results.append(
+            {
+                "key": key,
+                "metric": metric,
+                "percentile": q,
+                "threshold_ms": threshold,
+                "value_ms": value,
+                "samples": int(np.isfinite(np.asarray(samples.get(metric, []), dtype=float)).sum()),
+                "pass": value is not None and value <= threshold,
+            }
+        )
+    out: dict[str, Any] = {
+        "objectives": results,
+        "pass": all(r["pass"] for r in results) if results else None,
+        "failed_requests": int(failed),
+    }
+    if unknown:
+        out["unrecognized"] = sorted(unknown)
+    return out
+
+
+def clean(value: Any) -> Any:
+    """JSON-safe copy: numpy scalars to Python, NaN and infinities to None."""
+    if isinstance(value, dict):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

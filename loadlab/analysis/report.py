@@ -1,0 +1,199 @@
+"""Report writers: summary.json (machine-readable) and summary.md (for people), from a run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from loadlab.analysis.metrics import compute_summary
+from loadlab.records import RECORD_FIELDS, RECORDS_JSONL, RECORDS_PARQUET, load_records, read_manifest
+
+SUMMARY_JSON = "summary.json"
+SUMMARY_MD = "summary.md"
+
+
+def write_report(run_dir: Path) -> dict[str, Any]:
+    """Computes the summary of the run in ``run_dir`` and writes summary.json and summary.md there.
+
+    Reads records.parquet if present, else records.jsonl (a partial or killed run); a run directory with
+    neither gets an empty summary rather than no report. Returns the summary dict.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
+    if (run_dir / RECORDS_PARQUET).exists():
+        source = RECORDS_PARQUET
+    elif (run_dir / RECORDS_JSONL).exists():
+        source = RECORDS_JSONL
+    else:
+        source = None
+    df = load_records(run_dir) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
+    summary = compute_summary(df, read_manifest(run_dir))
+    summary["records_source"] = source
+    _write_atomic(run_dir / SUMMARY_JSON, json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    _write_atomic(run_dir / SUMMARY_MD, render_markdown(summary))
+    return summary
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Markdown
+
+_LATENCY_ROWS = (
+    ("TTFT", "ttft_ms"),
+    ("TPOT", "tpot_ms"),
+    ("TPOT (decode)", "tpot_decode_ms"),
+    ("ITL (per token)", "itl_ms"),
+    ("ITL (per event)", "itl_per_event_ms"),
+    ("E2E", "e2e_latency_ms"),
+)
+_LATENCY_COLUMNS = (
+    ("mean", "mean"),
+    ("P50", "median"),
+    ("P90", "p90"),
+    ("P95", "p95"),
+    ("P99", "p99"),
+    ("max", "max"),
+)
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def render_markdown(s: dict[str, Any]) -> str:
+    """A plain-Markdown human view of a summary dict."""
+    title = " / ".join(str(x) for x in (s.get("run_id"), s.get("profile_name")) if x) or "run"
+    lines = [f"# loadlab report: {title}", ""]
+    if s.get("partial"):
+        if s.get("complete") is None:
+            why = "the manifest does not say the run completed"
+        elif s.get("complete") is False:
+            why = "the run did not complete"
+        else:
+            why = "fewer measured requests than expected"
+        expected = s.get("expected_measured")
+        got = (
+            f"{s.get('measured_requests')} of {expected}"
+            if expected is not None
+            else str(s.get("measured_requests"))
+        )
+        lines += [f"> **Partial run**: {why}; {got} measured requests recorded.", ""]
+
+    target = s.get("target_url") or "unknown"
+    if s.get("api"):
+        target += f" ({s['api']} API)"
+    if s.get("server_version"):
+        target += f", SGLang {s['server_version']}"
+    lines += [
+        f"- Load model: {s.get('load_model')}",
+        f"- Target: {target}",
+        f"- Warm-up requests (excluded): {s.get('warmup_requests')}",
+        f"- Measured requests: {s.get('measured_requests')}"
+        + (f" (expected {s['expected_measured']})" if s.get("expected_measured") is not None else ""),
+        f"- Completed: {s.get('completed')}, failed: {s.get('failed')}"
+        + (
+            " (" + ", ".join(f"{k}: {v}" for k, v in (s.get("failures") or {}).items()) + ")"
+            if s.get("failures")
+            else ""
+        ),
+    ]
+    if s.get("records_source"):
+        lines.append(f"- Records: {s['records_source']}")
+    lines.append("")
+
+    lines += [
+        "## Latency (ms)",
+        "",
+        "| metric | samples | " + " | ".join(c for c, _ in _LATENCY_COLUMNS) + " |",
+    ]
+    lines.append("|---|---:|" + "---:|" * len(_LATENCY_COLUMNS))
+    samples = s.get("samples") or {}
+    for label, stem in _LATENCY_ROWS:
+        cells = [_num(s.get(f"{stat}_{stem}")) for _, stat in _LATENCY_COLUMNS]
+        lines.append(f"| {label} | {samples.get(stem, 0)} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Percentiles are exact (numpy, linear interpolation) over the measured, completed requests. "
+        "TPOT = (E2E - TTFT) / (output tokens - 1), as sglang bench_serving; TPOT (decode) divides by the "
+        "tokens after the first event instead. ITL per token spreads each event's gap over its tokens.",
+        "",
+    ]
+
+    lines += ["## Throughput", ""]
+    lines += [
+        f"- Duration: {_num(s.get('duration'), 3)} s",
+        f"- Requests: {_num(s.get('request_throughput'))} req/s",
+        f"- Input tokens: {s.get('total_input_tokens')} ({_num(s.get('input_throughput'))} tok/s)"
+        + (
+            f"; {s['input_tokens_fallback']} requests without a server prompt count used the intended length"
+            if s.get("input_tokens_fallback")
+            else ""
+        ),
+        f"- Output tokens: {s.get('total_output_tokens')} ({_num(s.get('output_throughput'))} tok/s)"
+        + (
+            f"; {s['output_tokens_fallback']} requests without a server count used the streamed tokens"
+            if s.get("output_tokens_fallback")
+            else ""
+        ),
+        f"- Short outputs (fewer tokens than max_new_tokens): {s.get('short_outputs')}",
+        "",
+        "## Load actually applied",
+        "",
+    ]
+    flight = s.get("in_flight") or {}
+    lines += [
+        f"- In flight over the measured window (all requests, time-weighted): mean {_num(flight.get('mean'))}, "
+        f"min {_num(flight.get('min'))}, max {_num(flight.get('max'))}",
+        f"- Concurrency (bench_serving: sum of completed E2E / duration): {_num(s.get('concurrency'))}",
+    ]
+    ratio = s.get("cached_token_ratio")
+    lines.append(
+        f"- Cached-token ratio: {_num(ratio * 100 if ratio is not None else None, 1)}"
+        + ("%" if ratio is not None else "")
+        + f" ({s.get('cached_tokens_reported')} requests reported cached tokens)"
+    )
+    if s.get("tokens_per_event_inexact"):
+        lines.append(
+            f"- {s['tokens_per_event_inexact']} completed requests had no exact per-event token count: "
+            "their ITL samples assume the counts the client inferred"
+        )
+    lines.append("")
+
+    slo = s.get("slo") or {}
+    lines += ["## SLO", ""]
+    objectives = slo.get("objectives") or []
+    if not objectives:
+        lines.append("- No SLO objectives in the profile.")
+    for o in objectives:
+        verdict = "PASS" if o.get("pass") else "FAIL"
+        value = _num(o.get("value_ms"))
+        note = " (no samples)" if o.get("value_ms") is None else ""
+        lines.append(
+            f"- {verdict}: P{o.get('percentile')} {o.get('metric')} = {value} ms (limit {_num(o.get('threshold_ms'))} ms){note}"
+        )
+    if objectives:
+        lines.append(f"- Overall: {'PASS' if slo.get('pass') else 'FAIL'}")
+    if slo.get("failed_requests"):
+        lines.append(
+            f"- Note: {slo['failed_requests']} measured request(s) failed; failures are not in the latencies."
+        )
+    if slo.get("unrecognized"):
+        lines.append(f"- Ignored SLO keys: {', '.join(slo['unrecognized'])}")
+    lines.append("")
+    return "\n".join(lines)

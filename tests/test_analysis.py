@@ -1,0 +1,444 @@
+"""The post-processor against records with known truth: every expected value is worked out by hand or
+by numpy on the known samples, never by the code under test."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from loadlab.analysis import compute_summary, write_report
+from loadlab.analysis.metrics import in_flight, itl_samples, pooled_events, token_events
+from loadlab.records import RecordWriter, RequestRecord, write_manifest, write_parquet
+
+T0 = 1_700_000_000.0
+STATS = ("mean", "median", "std", "p90", "p95", "p99", "min", "max")
+
+
+def rec(
+    index: int,
+    *,
+    phase: str = "measure",
+    outcome: str = "ok",
+    t: float = 0.0,
+    ttft: float | None = 100.0,
+    e2e: float | None = 1000.0,
+    events: list[tuple[float, int]] | None = None,
+    output: int | None = None,
+    prompt: int | None = 100,
+    cached: int | None = None,
+    input_len: int = 100,
+    max_new: int = 0,
+    exact: bool = True,
+) -> RequestRecord:
+    """A record sent at T0 + t seconds. ``events`` are (offset ms, tokens); by default one 1-token event
+    at the TTFT. ``output`` defaults to the tokens in the events."""
+    if events is None:
+        events = [(ttft, 1)] if ttft is not None else []
+    if output is None and outcome == "ok":
+        output = sum(tok for _, tok in events)
+    return RequestRecord(
+        index=index,
+        phase=phase,
+        api="generate",
+        worker_id="w0",
+        user_id=index,
+        t_send_wall=T0 + t,
+        outcome=outcome,
+        ttft_ms=ttft,
+        e2e_ms=e2e,
+        arrival_ms=[float(ms) for ms, _ in events],
+        arrival_tokens=[int(tok) for _, tok in events],
+        tokens_per_event_exact=exact,
+        input_len=input_len,
+        max_new_tokens=max_new,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        cached_tokens=cached,
+    )
+
+
+def make_run(tmp_path, records, manifest=None, parquet=False):
+    writer = RecordWriter(tmp_path)
+    for r in records:
+        writer.write(r)
+    writer.close()
+    if manifest is None:
+        manifest = {"run_id": "r1", "complete": True, "profile": {"name": "p"}}
+    write_manifest(tmp_path, manifest)
+    if parquet:
+        write_parquet(tmp_path)
+    return tmp_path
+
+
+def summarize(tmp_path, records, manifest=None, parquet=False):
+    return write_report(make_run(tmp_path, records, manifest, parquet))
+
+
+def decoding(n: int, ttft: float, step: float) -> list[tuple[float, int]]:
+    """n one-token events: the first at ttft, then one every step ms."""
+    return [(ttft + k * step, 1) for k in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_percentiles_are_exact_numpy_and_use_bench_serving_keys(tmp_path):
+    rng = np.random.default_rng(7)
+    ttfts = rng.uniform(20, 400, 37).round(3)
+    e2es = ttfts + rng.uniform(500, 3000, 37).round(3)
+    records = [
+        rec(i, t=i * 0.5, ttft=float(a), e2e=float(b), events=decoding(5, float(a), 10.0))
+        for i, (a, b) in enumerate(zip(ttfts, e2es, strict=True))
+    ]
+    s = summarize(tmp_path, records)
+    for stem, truth in (("ttft_ms", ttfts), ("e2e_latency_ms", e2es)):
+        assert s[f"mean_{stem}"] == pytest.approx(np.mean(truth))
+        assert s[f"median_{stem}"] == pytest.approx(np.median(truth))
+        assert s[f"std_{stem}"] == pytest.approx(np.std(truth))
+        for p in (90, 95, 99):
+            assert s[f"p{p}_{stem}"] == pytest.approx(np.percentile(truth, p))
+        assert s[f"min_{stem}"] == pytest.approx(truth.min())
+        assert s[f"max_{stem}"] == pytest.approx(truth.max())
+    # p99 of 37 samples lies strictly between the two largest: linear interpolation, not nearest rank.
+    top = np.sort(ttfts)[-2:]
+    assert top[0] < s["p99_ttft_ms"] < top[1]
+    for key in (
+        "duration",
+        "completed",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "input_throughput",
+        "output_throughput",
+        "concurrency",
+    ):
+        assert key in s
+    for stem in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
+        for stat in STATS:
+            assert f"{stat}_{stem}" in s
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == s
+
+
+def test_tpot_bench_serving_formula_and_decode_variant(tmp_path):
+    # 11 tokens: a first event of 4 tokens at 100 ms, then 7 single-token events; E2E 1100 ms.
+    events = [(100.0, 4)] + [(100.0 + 125.0 * k, 1) for k in range(1, 8)]
+    records = [
+        rec(0, ttft=100.0, e2e=1100.0, events=events),  # output 11
+        rec(1, ttft=50.0, e2e=60.0, events=[(50.0, 1)]),  # output 1: no TPOT
+        rec(2, ttft=200.0, e2e=1200.0, events=decoding(5, 200.0, 250.0)),  # output 5
+    ]
+    s = summarize(tmp_path, records)
+    tpots = [1000.0 / 10, 1000.0 / 4]
+    assert s["samples"]["tpot_ms"] == 2
+    assert s["mean_tpot_ms"] == pytest.approx(np.mean(tpots))
+    assert s["max_tpot_ms"] == pytest.approx(250.0)
+    assert s["min_tpot_ms"] == pytest.approx(100.0)
+    # Decode variant: divide by tokens after the first event (11 - 4 = 7, 5 - 1 = 4).
+    decode = [1000.0 / 7, 1000.0 / 4]
+    assert s["samples"]["tpot_decode_ms"] == 2
+    assert s["mean_tpot_decode_ms"] == pytest.approx(np.mean(decode))
+    assert s["min_tpot_decode_ms"] == pytest.approx(1000.0 / 7)
+    for stat in ("mean", "median", "p90", "p95", "p99"):
+        assert f"{stat}_tpot_decode_ms" in s
+
+
+def test_itl_is_per_token_with_multi_token_events():
+    per_token, per_event = itl_samples([100.0, 180.0, 200.0], [1, 4, 1])
+    assert per_token.tolist() == [20.0, 20.0, 20.0, 20.0, 20.0]
+    assert per_event.tolist() == [80.0, 20.0]
+    # Parquet gives numpy arrays; events that carry no token are not token-carrying events.
+    per_token, per_event = itl_samples(np.array([10.0, 20.0, 25.0, 40.0]), np.array([1, 2, 0, 3]))
+    assert per_token.tolist() == pytest.approx([5.0, 5.0, 20 / 3, 20 / 3, 20 / 3])
+    assert per_event.tolist() == [10.0, 20.0]
+
+
+def test_pooled_events_match_per_request_definition():
+    rng = np.random.default_rng(11)
+    ms_rows, tok_rows = [], []
+    for k in range(60):
+        n = int(rng.integers(0, 8))
+        ms = np.cumsum(rng.uniform(1, 50, n))
+        tok = rng.integers(0, 4, n)  # zero-token events must be skipped
+        if k % 10 == 3:
+            tok = []  # no per-event counts: one token each
+        elif k % 10 == 5:
+            tok = tok[: max(n - 1, 0)]  # ragged
+        elif k % 10 == 7:
+            ms, tok = None, None
+        ms_rows.append(ms if k % 2 else (None if ms is None else ms.tolist()))
+        tok_rows.append(tok if k % 2 else (None if tok is None else list(tok)))
+    pooled = pooled_events(ms_rows, tok_rows)
+    per_token = [itl_samples(m, t)[0] for m, t in zip(ms_rows, tok_rows, strict=True)]
+    per_event = [itl_samples(m, t)[1] for m, t in zip(ms_rows, tok_rows, strict=True)]
+    assert pooled["itl_per_token"] == pytest.approx(np.concatenate(per_token))
+    assert pooled["itl_per_event"] == pytest.approx(np.concatenate(per_event))
+    for row, (m, t) in enumerate(zip(ms_rows, tok_rows, strict=True)):
+        _, tok = token_events(m, t)
+        assert pooled["token_sum"][row] == tok.sum()
+        if tok.size:
+            assert pooled["first_tokens"][row] == tok[0]
+        else:
+            assert np.isnan(pooled["first_tokens"][row])
+
+
+def test_itl_pooled_over_requests(tmp_path):
+    records = [
+        rec(0, ttft=100.0, e2e=210.0, events=[(100.0, 1), (180.0, 4), (200.0, 1)]),
+        rec(1, ttft=50.0, e2e=200.0, events=[(50.0, 2), (80.0, 1), (140.0, 3)]),
+    ]
+    s = summarize(tmp_path, records)
+    pooled = [20.0] * 5 + [30.0] + [20.0] * 3
+    events = [80.0, 20.0, 30.0, 60.0]
+    assert s["samples"]["itl_ms"] == 9
+    assert s["mean_itl_ms"] == pytest.approx(np.mean(pooled))
+    assert s["p90_itl_ms"] == pytest.approx(np.percentile(pooled, 90))
+    assert s["samples"]["itl_per_event_ms"] == 4
+    assert s["mean_itl_per_event_ms"] == pytest.approx(np.mean(events))
+    assert s["max_itl_per_event_ms"] == pytest.approx(80.0)
+
+
+def test_warmup_excluded(tmp_path):
+    records = [rec(i, phase="warmup", t=i, ttft=5000.0, e2e=9000.0) for i in range(3)]
+    records += [rec(10 + i, t=10 + i, ttft=100.0 + i, e2e=500.0) for i in range(4)]
+    s = summarize(tmp_path, records)
+    assert s["warmup_requests"] == 3
+    assert s["measured_requests"] == 4
+    assert s["completed"] == 4
+    assert s["max_ttft_ms"] == pytest.approx(103.0)
+    assert s["max_e2e_latency_ms"] == pytest.approx(500.0)
+    # The window starts at the first measured send (t=10), ends at the last measured end (13.5 s).
+    assert s["duration"] == pytest.approx(3.5)
+
+
+def test_failures_counted_by_kind_and_excluded_from_latency(tmp_path):
+    records = [
+        rec(0, t=0, ttft=100.0, e2e=1000.0),
+        rec(1, t=0, ttft=120.0, e2e=1000.0),
+        rec(2, outcome="http_error", t=1, ttft=None, e2e=5.0, prompt=None),
+        rec(3, outcome="http_error", t=1, ttft=None, e2e=7.0, prompt=None),
+        rec(4, outcome="timeout", t=0, ttft=9000.0, e2e=20000.0, events=[(9000.0, 1)]),
+        rec(5, phase="warmup", outcome="dropped", t=-5, ttft=None, e2e=10.0),
+    ]
+    s = summarize(tmp_path, records)
+    assert s["completed"] == 2
+    assert s["failed"] == 3
+    assert s["failures"] == {"http_error": 2, "timeout": 1}
+    assert s["samples"]["ttft_ms"] == 2
+    assert s["max_ttft_ms"] == pytest.approx(120.0)
+    assert s["max_e2e_latency_ms"] == pytest.approx(1000.0)
+    assert s["samples"]["itl_ms"] == 0 and s["mean_itl_ms"] is None
+    # The timed-out request still bounds the measured window: 0 .. 20 s.
+    assert s["duration"] == pytest.approx(20.0)
+    assert s["request_throughput"] == pytest.approx(2 / 20.0)
+    assert s["slo"]["failed_requests"] == 3
+
+
+def test_in_flight_sweep_hand_made_schedule():
+    # A [0,10), B [5,15): 1 then 2 then 1 over [0,15).
+    r = in_flight([0.0, 5.0], [10.0, 15.0], 0.0, 15.0)
+    assert r == {"mean": pytest.approx(20 / 15), "min": 1, "max": 2}
+    # Touching intervals never overlap; a gap counts 0 in flight.
+    r = in_flight([0.0, 4.0, 8.0], [4.0, 6.0, 10.0], 0.0, 10.0)
+    assert r == {"mean": pytest.approx(8 / 10), "min": 0, "max": 1}
+    # Intervals are clipped to the window.
+    r = in_flight([-10.0], [20.0], 0.0, 10.0)
+    assert r == {"mean": pytest.approx(1.0), "min": 1, "max": 1}
+
+
+def test_in_flight_includes_warmup_and_failures(tmp_path):
+    records = [
+        rec(0, t=0, ttft=100.0, e2e=10000.0),  # A: [0, 10)
+        rec(1, t=5, ttft=100.0, e2e=10000.0),  # B: [5, 15)
+        rec(2, phase="warmup", t=-5, ttft=100.0, e2e=8000.0),  # W: [-5, 3)
+    ]
+    s = summarize(tmp_path, records)
+    assert s["duration"] == pytest.approx(15.0)
+    # [0,3): 2, [3,5): 1, [5,10): 2, [10,15): 1
+    assert s["in_flight"]["mean"] == pytest.approx((2 * 3 + 1 * 2 + 2 * 5 + 1 * 5) / 15)
+    assert s["in_flight"]["min"] == 1
+    assert s["in_flight"]["max"] == 2
+    # bench_serving's concurrency: completed measured E2E / duration, warm-up not included.
+    assert s["concurrency"] == pytest.approx(20 / 15)
+
+    failing = records + [rec(3, outcome="stream_error", t=2, ttft=None, e2e=2000.0)]  # [2, 4)
+    s = compute_summary(_df(failing), {})
+    assert s["in_flight"]["max"] == 3  # [2,3): A, W, failing
+    assert s["concurrency"] == pytest.approx(20 / 15)
+
+
+def _df(records):
+    return pd.DataFrame([dataclasses.asdict(r) for r in records])
+
+
+def test_throughput_and_token_totals(tmp_path):
+    records = [
+        rec(0, t=0, ttft=100.0, e2e=2000.0, events=decoding(10, 100.0, 100.0), prompt=300),
+        rec(1, t=1, ttft=100.0, e2e=3000.0, events=decoding(20, 100.0, 100.0), prompt=None, input_len=250),
+        rec(2, outcome="http_error", t=1, ttft=None, e2e=1.0, prompt=None, input_len=999),
+    ]
+    s = summarize(tmp_path, records)
+    assert s["duration"] == pytest.approx(4.0)
+    assert s["total_input_tokens"] == 550  # server count, then the intended length for request 1
+    assert s["input_tokens_fallback"] == 1
+    assert s["total_output_tokens"] == 30
+    assert s["request_throughput"] == pytest.approx(2 / 4)
+    assert s["input_throughput"] == pytest.approx(550 / 4)
+    assert s["output_throughput"] == pytest.approx(30 / 4)
+    assert s["total_throughput"] == pytest.approx(580 / 4)
+
+
+def test_cached_token_ratio(tmp_path):
+    records = [
+        rec(0, prompt=100, cached=50),
+        rec(1, prompt=300, cached=0),
+        rec(2, prompt=200, cached=None),  # not reported: left out of both sums
+        rec(3, outcome="timeout", prompt=1000, cached=1000),  # failed: left out
+    ]
+    s = summarize(tmp_path, records)
+    assert s["cached_token_ratio"] == pytest.approx(50 / 400)
+    assert s["cached_tokens_reported"] == 2
+
+    s = compute_summary(_df([rec(0, cached=None)]), {})
+    assert s["cached_token_ratio"] is None
+    assert s["cached_tokens_reported"] == 0
+
+
+def test_slo_pass_and_fail(tmp_path):
+    ttfts = [100.0, 200.0, 300.0, 400.0, 500.0]
+    records = [rec(i, t=i, ttft=t, e2e=1000.0) for i, t in enumerate(ttfts)]
+    p95 = float(np.percentile(ttfts, 95))  # 480
+    manifest = {
+        "profile": {"slo": {"ttft_p95_ms": 490.0, "e2e_p95_ms": 999.0, "itl_p95_ms": None}},
+        "complete": True,
+    }
+    s = summarize(tmp_path, records, manifest)
+    objectives = {o["metric"]: o for o in s["slo"]["objectives"]}
+    assert set(objectives) == {"ttft_ms", "e2e_latency_ms"}
+    assert objectives["ttft_ms"]["value_ms"] == pytest.approx(p95)
+    assert objectives["ttft_ms"]["percentile"] == 95
+    assert objectives["ttft_ms"]["pass"] is True
+    assert objectives["e2e_latency_ms"]["pass"] is False
+    assert s["slo"]["pass"] is False
+
+    manifest["profile"]["slo"] = {"ttft_p95_ms": 470.0}
+    assert compute_summary(_df(records), manifest)["slo"]["pass"] is False
+    manifest["profile"]["slo"] = {"ttft_p95_ms": 480.0}
+    assert compute_summary(_df(records), manifest)["slo"]["pass"] is True
+
+    # An objective with no samples fails: every output is one token, so there is no TPOT.
+    manifest["profile"]["slo"] = {"ttft_p95_ms": 1e6, "tpot_p95_ms": 1e6}
+    s = compute_summary(_df(records), manifest)
+    tpot = next(o for o in s["slo"]["objectives"] if o["metric"] == "tpot_ms")
+    assert tpot["value_ms"] is None and tpot["pass"] is False
+    assert s["slo"]["pass"] is False
+
+    s = compute_summary(_df(records), {})
+    assert s["slo"]["objectives"] == [] and s["slo"]["pass"] is None
+
+
+def test_short_outputs_and_inexact_token_counts(tmp_path):
+    records = [
+        rec(0, events=decoding(8, 100.0, 10.0), max_new=8),
+        rec(1, events=decoding(5, 100.0, 10.0), max_new=8, exact=False),
+        rec(2, events=decoding(3, 100.0, 10.0), max_new=8),
+        rec(3, outcome="timeout", output=2, max_new=8, exact=False),  # failed: neither
+    ]
+    s = summarize(tmp_path, records)
+    assert s["short_outputs"] == 2
+    assert s["tokens_per_event_inexact"] == 1
+
+
+def test_empty_and_all_failed_runs(tmp_path):
+    (tmp_path / "empty").mkdir()
+    s = summarize(tmp_path / "empty", [], {"complete": False, "counts": {"measured_expected": 10}})
+    assert s["completed"] == 0 and s["failed"] == 0 and s["measured_requests"] == 0
+    assert s["duration"] is None and s["request_throughput"] is None
+    assert s["mean_ttft_ms"] is None and s["p99_itl_ms"] is None
+    assert s["partial"] is True and s["expected_measured"] == 10
+    assert "Partial run" in (tmp_path / "empty" / "summary.md").read_text()
+
+    (tmp_path / "failed").mkdir()
+    records = [rec(i, outcome="connect_error", t=i, ttft=None, e2e=None, prompt=None) for i in range(3)]
+    s = summarize(tmp_path / "failed", records)
+    assert s["failed"] == 3 and s["failures"] == {"connect_error": 3}
+    assert s["completed"] == 0 and s["total_output_tokens"] == 0
+    assert s["duration"] == pytest.approx(2.0)  # sends only: no e2e
+    assert s["request_throughput"] == 0.0
+    assert s["mean_e2e_latency_ms"] is None
+    assert s["cached_token_ratio"] is None
+
+    (tmp_path / "none").mkdir()
+    write_manifest(tmp_path / "none", {})
+    s = write_report(tmp_path / "none")  # no records file at all (killed before any request)
+    assert s["measured_requests"] == 0 and s["records_source"] is None
+
+
+def test_null_columns_and_missing_columns():
+    df = pd.DataFrame({"phase": ["measure"], "outcome": ["ok"], "ttft_ms": [None], "e2e_ms": [None]})
+    s = compute_summary(df, None)
+    assert s["completed"] == 1 and s["mean_ttft_ms"] is None and s["duration"] is None
+    json.dumps(s, allow_nan=False)
+
+
+def test_parquet_gives_the_same_summary_as_jsonl(tmp_path):
+    rng = np.random.default_rng(3)
+    records = []
+    for i in range(40):
+        ttft = float(rng.uniform(50, 300))
+        events = [(ttft, int(rng.integers(1, 5)))]
+        for _ in range(int(rng.integers(0, 12))):
+            events.append((events[-1][0] + float(rng.uniform(5, 60)), int(rng.integers(1, 4))))
+        outcome = "ok" if i % 7 else "stream_error"
+        records.append(
+            rec(
+                i,
+                phase="warmup" if i < 5 else "measure",
+                outcome=outcome,
+                t=i * 0.3,
+                ttft=ttft,
+                e2e=events[-1][0] + 5.0,
+                events=events,
+                cached=int(rng.integers(0, 100)) if i % 3 else None,
+                prompt=100 if i % 5 else None,
+                max_new=20,
+            )
+        )
+    manifest = {"run_id": "r", "complete": True, "profile": {"slo": {"itl_p95_ms": 30.0}}}
+    run = make_run(tmp_path, records, manifest)
+    from_jsonl = write_report(run)
+    write_parquet(run)
+    from_parquet = write_report(run)
+    assert from_jsonl.pop("records_source") == "records.jsonl"
+    assert from_parquet.pop("records_source") == "records.parquet"
+    assert from_parquet == from_jsonl
+    assert from_jsonl["samples"]["itl_ms"] > 0 and from_jsonl["failed"] > 0
+
+
+def test_markdown_view(tmp_path):
+    manifest = {
+        "run_id": "run-42",
+        "complete": False,
+        "profile": {
+            "name": "rag",
+            "load": {"model": "closed", "concurrency": 32},
+            "slo": {"ttft_p95_ms": 1000.0, "e2e_p95_ms": 10.0},
+        },
+        "target": {"url": "http://127.0.0.1:30000", "server_info": None},
+    }
+    records = [rec(0), rec(1, outcome="timeout")]
+    s = summarize(tmp_path, records, manifest)
+    assert s["load_model"] == "closed loop, 32 in flight"
+    assert s["max_concurrency"] == 32
+    md = (tmp_path / "summary.md").read_text()
+    assert "run-42" in md and "rag" in md
+    assert "closed loop, 32 in flight" in md
+    assert "http://127.0.0.1:30000" in md
+    assert "| TTFT |" in md and "| E2E |" in md
+    assert "PASS: P95 ttft_ms" in md and "FAIL: P95 e2e_latency_ms" in md
+    assert "timeout: 1" in md
+    assert "Partial run" in md
