@@ -76,6 +76,10 @@ class RagWorkload(_Strict):
 
     @model_validator(mode="after")
     def _fits(self):
+        if self.passages_per_prompt > self.corpus_size:
+            raise ValueError(
+                f"passages_per_prompt ({self.passages_per_prompt}) cannot exceed corpus_size ({self.corpus_size})"
+            )
         fixed = self.instruction_len + self.question_len
         if self.input_len < fixed + self.passages_per_prompt:
             raise ValueError(

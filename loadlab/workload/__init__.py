@@ -1,0 +1,33 @@
+"""Workloads: a profile becomes a deterministic stream of request specs, rendered for the wire.
+
+``build_workload(profile).spec(i)`` is a pure function of (profile workload, seed, i); prompts are word
+ids into ``WORDS``; ``Renderer`` turns them into token ids (native /generate) or text (OpenAI APIs).
+See docs/workloads.md.
+"""
+
+from loadlab.workload.generators import (
+    RagGenerator,
+    RandomPrefixGenerator,
+    SharedPrefixGenerator,
+    Workload,
+    build_workload,
+)
+from loadlab.workload.spec import RequestSpec
+from loadlab.workload.text import TOKEN_ID_BASE, Renderer, RenderError, get_renderer, load_tokenizer
+from loadlab.workload.words import NUM_WORDS, WORDS
+
+__all__ = [
+    "NUM_WORDS",
+    "TOKEN_ID_BASE",
+    "WORDS",
+    "RagGenerator",
+    "RandomPrefixGenerator",
+    "RenderError",
+    "Renderer",
+    "RequestSpec",
+    "SharedPrefixGenerator",
+    "Workload",
+    "build_workload",
+    "get_renderer",
+    "load_tokenizer",
+]

@@ -1,0 +1,257 @@
+"""Workload generators: a profile becomes a deterministic, random-access stream of request specs.
+
+The contract: ``build_workload(profile).spec(i)`` is a pure function of (the workload section, the
+profile seed, i). It does not depend on which other indices were asked for, in what order, or by which
+process, so any number of workers can each generate any index and a run sends the same requests
+however it is split. Each request draws from its own generator seeded with ``[seed, i, salt]``; the
+material requests share (the rag instruction and passage corpus, the shared_prefix system prompts, the
+random_prefix leading-token permutations) is a function of the seed alone and is cached per process.
+
+Prompts are sequences of word ids (indices into ``loadlab.workload.words.WORDS``); the renderer in
+``loadlab.workload.text`` turns them into token ids or text for the wire.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from loadlab.profile import (
+    Profile,
+    ProfileError,
+    RagWorkload,
+    RandomPrefixWorkload,
+    SharedPrefixWorkload,
+)
+from loadlab.workload.spec import RequestSpec
+from loadlab.workload.words import NUM_WORDS
+
+# Salts keep the random streams of different purposes apart; never change them (that changes every
+# generated prompt for a given seed).
+_SALT_RAG_INSTRUCTION = 11
+_SALT_RAG_PASSAGE = 12
+_SALT_RAG_REQUEST = 13
+_SALT_GSP_SYSTEM = 21
+_SALT_GSP_SYSTEM_FIRST = 22
+_SALT_GSP_REQUEST = 23
+_SALT_GSP_QUESTION_LEAD = 24
+_SALT_RP_LEAD = 31
+_SALT_RP_REQUEST = 32
+
+# Upper bound on shared material cached per process, in tokens (int32: 4 bytes each).
+_CACHE_TOKENS = 4 << 20
+
+
+def _seed_word(seed: int) -> int:
+    """numpy seed sequences take non-negative integers; negative profile seeds map into 64 bits."""
+    return seed % (1 << 64)
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng(list(key))
+
+
+def _words(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, NUM_WORDS, size=n, dtype=np.int32)
+
+
+def _cache_size(item_tokens: int, items: int) -> int:
+    return max(1, min(items, _CACHE_TOKENS // max(1, item_tokens)))
+
+
+class Workload:
+    """A deterministic, random-access stream of request specs; subclasses implement ``_spec``."""
+
+    kind: str = ""
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self.config = profile.workload
+        self.seed = profile.seed
+        self._s = _seed_word(profile.seed)
+
+    def spec(self, index: int) -> RequestSpec:
+        """The request spec for ``index`` (>= 0): a pure function of (workload, seed, index)."""
+        if isinstance(index, bool) or not isinstance(index, int | np.integer) or index < 0:
+            raise ValueError(f"request index must be a non-negative integer (got {index!r})")
+        return self._spec(int(index))
+
+    def specs(self, indices: Iterable[int]) -> Iterator[RequestSpec]:
+        for i in indices:
+            yield self.spec(i)
+
+    def _spec(self, index: int) -> RequestSpec:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} seed={self.seed} {self.config!r}>"
+
+
+class RagGenerator(Workload):
+    """Shared instruction + k Zipf-popular passages (most popular first) + a unique question.
+
+    Passage p has popularity rank p (0 = most popular, probability proportional to 1/(p+1)^s); its
+    content is a function of (seed, p, passage length). Each request draws k distinct passages by
+    popularity and orders them by rank, as a retriever's score order would, so requests whose top
+    passage is the same share instruction + that passage as a cacheable prefix. prefix_group is the
+    id of the first (most popular) passage in the prompt.
+    """
+
+    kind = "rag"
+
+    def __init__(self, profile: Profile):
+        super().__init__(profile)
+        w: RagWorkload = self.config
+        k = w.passages_per_prompt
+        if k > w.corpus_size:
+            raise ProfileError(
+                f"workload.passages_per_prompt: {k} passages per prompt cannot be drawn without "
+                f"replacement from a corpus of {w.corpus_size} (corpus_size)"
+            )
+        self.k = k
+        body = w.input_len - w.instruction_len - w.question_len
+        self.passage_len = body // k
+        self.question_len = w.question_len + body % k  # the remainder goes to the question
+        self.instruction = _words(_rng(self._s, _SALT_RAG_INSTRUCTION), w.instruction_len)
+        weights = np.arange(1, w.corpus_size + 1, dtype=np.float64) ** -w.zipf_s
+        self.popularity = weights / weights.sum()
+        cdf = np.cumsum(self.popularity)
+        cdf[-1] = 1.0
+        self._cdf = cdf
+        self.passage = functools.lru_cache(maxsize=_cache_size(self.passage_len, w.corpus_size))(
+            self._make_passage
+        )
+
+    def _make_passage(self, pid: int) -> np.ndarray:
+        """The content of passage ``pid``: a function of (seed, pid, passage length)."""
+        return _words(_rng(self._s, pid, _SALT_RAG_PASSAGE), self.passage_len)
+
+    def draw_passages(self, rng: np.random.Generator) -> list[int]:
+        """k distinct passage ids by Zipf popularity, most popular (lowest id) first."""
+        k, n = self.k, len(self._cdf)
+        chosen: list[int] = []
+        seen: set[int] = set()
+        for _ in range(8):
+            picks = np.searchsorted(self._cdf, rng.random(2 * k), side="right")
+            for p in picks.tolist():
+                p = min(p, n - 1)
+                if p not in seen:
+                    seen.add(p)
+                    chosen.append(p)
+                    if len(chosen) == k:
+                        return sorted(chosen)
+        # Rare: k close to the corpus size or an extreme exponent; draw the rest exactly.
+        p = self.popularity.copy()
+        p[list(seen)] = 0.0
+        p /= p.sum()
+        rest = rng.choice(n, size=k - len(chosen), replace=False, p=p)
+        return sorted(chosen + rest.tolist())
+
+    def _spec(self, index: int) -> RequestSpec:
+        rng = _rng(self._s, index, _SALT_RAG_REQUEST)
+        pids = self.draw_passages(rng)
+        question = _words(rng, self.question_len)
+        parts = [self.instruction, *(self.passage(p) for p in pids), question]
+        ids = np.concatenate(parts).tolist()
+        return RequestSpec(
+            index=index,
+            input_ids=tuple(ids),
+            max_new_tokens=self.config.output_len,
+            prefix_group=pids[0],
+        )
+
+
+def _lead_pair(perm0: np.ndarray, perm1: np.ndarray, j: int) -> list[int]:
+    """Two leading word ids unique for each j in [0, W*W): the low digit first, so even the first
+    token differs between any W consecutive j."""
+    return [int(perm0[j % NUM_WORDS]), int(perm1[(j // NUM_WORDS) % NUM_WORDS])]
+
+
+class SharedPrefixGenerator(Workload):
+    """bench_serving's generated-shared-prefix: num_groups fixed system prompts plus unique questions.
+
+    Request i belongs to group i % num_groups (round-robin, so any window of num_groups consecutive
+    requests covers every group once) and is the (i // num_groups)-th question of its group. The
+    system prompt of group g is a function of (seed, g); its first word differs between groups (for up
+    to len(WORDS) groups), so groups share no prefix. The question's first two words encode the
+    within-group index, so two requests of one group share exactly system_prompt_len leading tokens
+    (for up to len(WORDS)**2 requests per group; question_len 1 gives len(WORDS)). prefix_group = g.
+    """
+
+    kind = "shared_prefix"
+
+    def __init__(self, profile: Profile):
+        super().__init__(profile)
+        w: SharedPrefixWorkload = self.config
+        self._first = _rng(self._s, _SALT_GSP_SYSTEM_FIRST).permutation(NUM_WORDS)
+        lead = _rng(self._s, _SALT_GSP_QUESTION_LEAD)
+        self._q0 = lead.permutation(NUM_WORDS)
+        self._q1 = lead.permutation(NUM_WORDS)
+        self.system_prompt = functools.lru_cache(maxsize=_cache_size(w.system_prompt_len, w.num_groups))(
+            self._make_system_prompt
+        )
+
+    def _make_system_prompt(self, group: int) -> np.ndarray:
+        ids = _words(_rng(self._s, group, _SALT_GSP_SYSTEM), self.config.system_prompt_len)
+        ids[0] = self._first[group % NUM_WORDS]
+        return ids
+
+    def group_of(self, index: int) -> int:
+        return index % self.config.num_groups
+
+    def _spec(self, index: int) -> RequestSpec:
+        w: SharedPrefixWorkload = self.config
+        group = self.group_of(index)
+        rng = _rng(self._s, index, _SALT_GSP_REQUEST)
+        question = _words(rng, w.question_len)
+        lead = _lead_pair(self._q0, self._q1, index // w.num_groups)
+        n = min(2, w.question_len)
+        question[:n] = lead[:n]
+        ids = np.concatenate([self.system_prompt(group), question]).tolist()
+        return RequestSpec(index=index, input_ids=tuple(ids), max_new_tokens=w.output_len, prefix_group=group)
+
+
+class RandomPrefixGenerator(Workload):
+    """Prompts that share nothing from the first token.
+
+    The first two words encode the index through two seed-dependent permutations of the word table
+    (word 0 from i % W, word 1 from (i // W) % W, W = len(WORDS)): no two of any W*W consecutive
+    requests share their first two tokens, no two of any W consecutive ones even their first token.
+    The rest is random per request. Lengths are fixed, or drawn uniformly (inclusive) per request from
+    input_len_range / output_len_range when set (a range wins over the fixed length).
+    """
+
+    kind = "random_prefix"
+
+    def __init__(self, profile: Profile):
+        super().__init__(profile)
+        lead = _rng(self._s, _SALT_RP_LEAD)
+        self._p0 = lead.permutation(NUM_WORDS)
+        self._p1 = lead.permutation(NUM_WORDS)
+
+    def _spec(self, index: int) -> RequestSpec:
+        w: RandomPrefixWorkload = self.config
+        rng = _rng(self._s, index, _SALT_RP_REQUEST)
+        if w.input_len_range is not None:
+            n_in = int(rng.integers(w.input_len_range[0], w.input_len_range[1] + 1))
+        else:
+            n_in = w.input_len
+        if w.output_len_range is not None:
+            n_out = int(rng.integers(w.output_len_range[0], w.output_len_range[1] + 1))
+        else:
+            n_out = w.output_len
+        ids = _lead_pair(self._p0, self._p1, index) + _words(rng, n_in - 2).tolist()
+        return RequestSpec(index=index, input_ids=tuple(ids), max_new_tokens=n_out, prefix_group=None)
+
+
+_GENERATORS: dict[str, type[Workload]] = {
+    g.kind: g for g in (RagGenerator, SharedPrefixGenerator, RandomPrefixGenerator)
+}
+
+
+def build_workload(profile: Profile) -> Workload:
+    """The request-spec stream of a validated profile (raises ProfileError for combinations the
+    schema cannot check alone)."""
+    return _GENERATORS[profile.workload.kind](profile)
