@@ -27,8 +27,14 @@ def main(argv: list[str] | None = None) -> int:
         from loadlab.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    # Everything after a bare `--` goes to Locust untouched.
+    locust_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, locust_args = argv[:cut], argv[cut + 1 :]
     parser = _parser()
     args = parser.parse_args(argv)
+    args.locust_args = locust_args
     try:
         return args.func(args)
     except ProfileError as e:
@@ -52,7 +58,6 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--host", default=None, help="SGLang server URL (default: the profile's target)")
     run.add_argument("-t", "--run-time", default=None, help="upper bound on run time, e.g. 90s or 5m")
     add_loadlab_arguments(run, locust=False)
-    run.add_argument("locust_args", nargs=argparse.REMAINDER, help="after --: extra Locust options")
     run.set_defaults(func=_cmd_run)
 
     report = sub.add_parser("report", help="(re)compute summary.json and summary.md for a run directory")
@@ -69,10 +74,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_run(args) -> int:
     from loadlab.swarm.run import default_run_name
-
+    from loadlab.workload import build_workload
     from loadlab.workload.text import Renderer
 
     profile = load_profile(args.profile, overrides_from_options(args, args.host))
+    build_workload(profile)
     Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
     out = Path(args.out)
     name = args.run_name or default_run_name(profile.name)
@@ -94,8 +100,7 @@ def _cmd_run(args) -> int:
         cmd += ["--set", item]
     if args.run_time:
         cmd += ["--run-time", args.run_time]
-    extra = args.locust_args[1:] if args.locust_args[:1] == ["--"] else args.locust_args
-    cmd += extra
+    cmd += args.locust_args
     # Ctrl-C reaches Locust too (same process group); it finalizes the run, so wait for it.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
