@@ -210,11 +210,17 @@ def _check_embedded(profile: Profile, label: str, lines) -> None:
         return
     from loadlab.sim.cli import check_embedded_settings
 
-    problem = check_embedded_settings(profile.target.embedded)
+    # Check one setting at a time so the error can point at the offending key's line.
+    for key, value in profile.target.embedded.items():
+        problem = check_embedded_settings({key: value})
+        if problem:
+            line = _line_for(lines, ["target", "embedded", str(key)])
+            where = f"{label}:{line}" if line else label
+            raise ProfileError(f"{where}: target.embedded.{key}: {problem.removeprefix(f'{key}: ')}")
+    problem = check_embedded_settings(profile.target.embedded)  # settings that conflict with each other
     if problem:
         line = _line_for(lines, ["target", "embedded"])
-        where = f"{label}:{line}" if line else label
-        raise ProfileError(f"{where}: target.embedded: {problem}")
+        raise ProfileError(f"{label}:{line}: target.embedded: {problem}" if line else f"{label}: {problem}")
 
 
 def _is_union_tag(part, data) -> bool:

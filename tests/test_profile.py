@@ -96,13 +96,13 @@ BAD = {
     "top level is a list": ("- a\n- b\n", 1, ["must be a mapping"]),
     "embedded unknown setting": (
         GOOD.replace("  url: embedded\n", "  url: embedded\n  embedded:\n    max_batch_size: 64\n"),
-        4,
-        ["target.embedded", "max_batch_size"],
+        6,
+        ["target.embedded.max_batch_size", "unknown setting"],
     ),
     "embedded bad value": (
         GOOD.replace("  url: embedded\n", "  url: embedded\n  embedded:\n    max_running_requests: lots\n"),
-        4,
-        ["target.embedded", "max_running_requests"],
+        6,
+        ["target.embedded.max_running_requests", "expected an integer", "'lots'"],
     ),
 }
 

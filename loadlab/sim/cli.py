@@ -1,0 +1,333 @@
+"""``loadlab sim`` / ``python -m loadlab.sim``: run the simulated SGLang server.
+
+Flags carry SGLang's launch-flag names (``python -m sglang.launch_server``). When the server listens it
+prints exactly one line to stdout, ``loadlab-sim listening on http://HOST:PORT`` (the real port, also with
+``--port 0``), and then nothing else on stdout; logs go to stderr. SIGTERM or SIGINT stops it (exit 0).
+
+The same table of settings drives the command line and the validation of a profile's
+``target.embedded`` mapping (``check_embedded_settings``, ``settings_to_argv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from loadlab.sim import READY_PREFIX
+
+PROG = "loadlab sim"
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # SGLang's name, with underscores (the flag is --name-with-dashes)
+    kind: str  # "int" | "float" | "bool" | "str"
+    default: Any
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] | None = None
+    embedded: bool = True  # may appear in a profile's target.embedded
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("host", "str", "127.0.0.1", "address to listen on", embedded=False),
+    Setting("port", "int", 30000, "port to listen on (0: any free port)", 0, 65535, embedded=False),
+    Setting(
+        "model_path", "str", "meta-llama/Llama-3.1-8B-Instruct", "model name to report (nothing is loaded)"
+    ),
+    Setting(
+        "served_model_name", "str", None, "model name in responses and /v1/models (default: --model-path)"
+    ),
+    Setting(
+        "tokenizer",
+        "str",
+        None,
+        "local tokenizer.json for prompt text (default: one whitespace-separated word = one token)",
+        aliases=("--tokenizer-path",),
+    ),
+    Setting("context_length", "int", 131072, "the model's context length in tokens", 2),
+    Setting("max_running_requests", "int", None, "most requests running at once (default: SGLang's rule)", 1),
+    Setting(
+        "max_queued_requests", "int", None, "most requests waiting; more get HTTP 503 (default: no limit)", 1
+    ),
+    Setting(
+        "max_total_tokens",
+        "int",
+        None,
+        "KV cache pool size in tokens (default: from --mem-fraction-static)",
+        1,
+    ),
+    Setting(
+        "chunked_prefill_size", "int", 8192, "most new prompt tokens per prefill pass (-1: no chunking)", -1
+    ),
+    Setting("max_prefill_tokens", "int", 16384, "new-token budget of one prefill pass", 1),
+    Setting(
+        "schedule_policy",
+        "str",
+        "fcfs",
+        "queue order: fcfs, or lpm (longest cached prefix first)",
+        choices=("fcfs", "lpm"),
+    ),  # fmt: skip
+    Setting("disable_radix_cache", "bool", False, "turn the prefix cache off"),
+    Setting(
+        "mem_fraction_static", "float", None, "GPU memory fraction for weights + KV (default 0.88)", 0.0, 1.0
+    ),
+    Setting("stream_interval", "int", 1, "tokens per streamed event after the first (at least)", 1),
+    Setting("enable_metrics", "bool", False, "serve Prometheus /metrics and timing fields in meta_info"),
+    Setting(
+        "enable_cache_report", "bool", False, "report prompt_tokens_details.cached_tokens in OpenAI usage"
+    ),
+    Setting(
+        "log_level",
+        "str",
+        "info",
+        "log level (logs go to stderr)",
+        choices=("debug", "info", "warning", "error", "critical"),
+    ),  # fmt: skip
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def _check_value(s: Setting, value: Any) -> str | None:
+    """None if ``value`` (a Python value) suits setting ``s``, else what is wrong (without the name)."""
+    if value is None:
+        return None
+    if s.kind == "bool":
+        return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
+    if s.kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"expected an integer, got {value!r}"
+    elif s.kind == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return f"expected a number, got {value!r}"
+    elif s.kind == "str":
+        if not isinstance(value, str) or not value:
+            return f"expected a non-empty string, got {value!r}"
+        if s.choices and value not in s.choices:
+            return f"expected one of {', '.join(s.choices)}, got {value!r}"
+        if s.name == "tokenizer" and not os.path.isfile(value):
+            return f"no such file: {value!r}"
+        return None
+    if s.name == "mem_fraction_static" and not 0 < value <= 1:
+        return f"must be greater than 0 and at most 1, got {value!r}"
+    if s.minimum is not None and value < s.minimum:
+        return f"must be at least {s.minimum:g}, got {value!r}"
+    if s.maximum is not None and value > s.maximum:
+        return f"must be at most {s.maximum:g}, got {value!r}"
+    return None
+
+
+def _arg_type(s: Setting):
+    def parse(text: str):
+        if s.kind == "int":
+            try:
+                value: Any = int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        elif s.kind == "float":
+            try:
+                value = float(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        else:
+            value = text
+        problem = _check_value(s, value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    parse.__name__ = s.kind
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit status 2, no usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Simulated SGLang server (continuous batching, prefix cache, SGLang's wire protocol). "
+        "Flags use SGLang's launch-flag names. Prints 'loadlab-sim listening on http://HOST:PORT' when ready.",
+    )
+    for s in SETTINGS:
+        if s.kind == "bool":
+            p.add_argument(s.flag, *s.aliases, dest=s.name, action="store_true", help=s.help)
+        else:
+            default_note = "" if s.default is None else f" (default: {s.default})"
+            p.add_argument(
+                s.flag,
+                *s.aliases,
+                dest=s.name,
+                type=_arg_type(s),
+                default=s.default,
+                metavar=s.kind.upper() if not s.choices else "{" + ",".join(s.choices) + "}",
+                help=s.help + default_note,
+            )
+    return p
+
+
+def check_embedded_settings(settings: dict) -> str | None:
+    """Validates a profile's ``target.embedded`` mapping (SGLang flag names, underscores, no dashes).
+
+    Returns None if every key is known and every value fits, else a one-line description of the first
+    problem, e.g. ``unknown setting 'foo_bar'`` or ``max_running_requests: expected an integer, got 'abc'``.
+    """
+    if not isinstance(settings, dict):
+        return f"expected a mapping of setting names to values, got {type(settings).__name__}"
+    for key, value in settings.items():
+        if not isinstance(key, str):
+            return f"unknown setting {key!r}"
+        s = BY_NAME.get(key)
+        if s is None:
+            fixed = key.lstrip("-").replace("-", "_")
+            if fixed in BY_NAME and BY_NAME[fixed].embedded:
+                return f"unknown setting {key!r} (write it as {fixed!r})"
+            return f"unknown setting {key!r}"
+        if not s.embedded:
+            return f"{key}: set by loadlab for the embedded server, not in a profile"
+        problem = _check_value(s, value)
+        if problem:
+            return f"{key}: {problem}"
+    return None
+
+
+def settings_to_argv(settings: dict) -> list[str]:
+    """Turns a valid ``target.embedded`` mapping into command-line flags: true booleans become bare flags,
+    false booleans and None values are left out. Raises ValueError on an invalid mapping."""
+    problem = check_embedded_settings(settings)
+    if problem:
+        raise ValueError(problem)
+    argv: list[str] = []
+    for key, value in settings.items():
+        s = BY_NAME[key]
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(s.flag)
+        else:
+            argv += [s.flag, str(value)]
+    return argv
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Every server argument with defaults resolved, under SGLang's names (what /server_info shows)."""
+    from loadlab.sim.engine import DEFAULT_MEM_FRACTION_STATIC, default_max_running_requests, kv_tokens_for
+
+    s = {st.name: getattr(args, st.name) for st in SETTINGS}
+    if s["mem_fraction_static"] is None:
+        s["mem_fraction_static"] = DEFAULT_MEM_FRACTION_STATIC
+    kv = s["max_total_tokens"] or kv_tokens_for(s["mem_fraction_static"])
+    if kv < 1:
+        raise ValueError(
+            f"mem_fraction_static {s['mem_fraction_static']} leaves no memory for the KV cache (weights need more)"
+        )
+    s["served_model_name"] = s["served_model_name"] or s["model_path"]
+    s["tokenizer_path"] = s["tokenizer"] or s["model_path"]
+    if s["max_running_requests"] is None:
+        s["max_running_requests"] = default_max_running_requests(kv, s["context_length"])
+    s.update(
+        max_total_num_tokens=kv,
+        max_req_input_len=min(s["context_length"] - 1, kv - 1),
+        tp_size=1,
+        dp_size=1,
+        page_size=1,
+        schedule_conservativeness=1.0,
+        enable_mixed_chunk=False,
+        incremental_streaming_output=False,
+        skip_server_warmup=True,
+    )
+    return s
+
+
+async def _serve(settings: dict[str, Any], tokenizer) -> None:
+    from aiohttp import web
+
+    from loadlab.sim.engine import Engine, EngineConfig
+    from loadlab.sim.server import SimServer
+
+    engine = Engine(
+        EngineConfig(
+            max_running_requests=settings["max_running_requests"],
+            max_queued_requests=settings["max_queued_requests"],
+            max_total_tokens=settings["max_total_num_tokens"],
+            chunked_prefill_size=settings["chunked_prefill_size"],
+            max_prefill_tokens=settings["max_prefill_tokens"],
+            schedule_policy=settings["schedule_policy"],
+            disable_radix_cache=settings["disable_radix_cache"],
+            stream_interval=settings["stream_interval"],
+        )
+    )
+    host, port = settings["host"], settings["port"]
+    sock = socket.create_server((host, port), backlog=4096)
+    sock.setblocking(False)
+    await engine.start()
+    app = SimServer(settings, engine, tokenizer).build_app()
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        site = web.SockSite(runner, sock)
+        await site.start()
+        settings["port"] = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        sys.stdout.write(f"{READY_PREFIX}http://{shown}:{settings['port']}\n")
+        sys.stdout.flush()
+        logging.getLogger("loadlab.sim").info(
+            "serving %s: max_running_requests=%s max_total_num_tokens=%s radix_cache=%s",
+            settings["served_model_name"],
+            settings["max_running_requests"],
+            settings["max_total_num_tokens"],
+            "off" if settings["disable_radix_cache"] else "on",
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await engine.stop()
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # bad flags (2) or --help (0); argparse has printed the message
+        return e.code if isinstance(e.code, int) else 2
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from loadlab.sim.tokenize import Tokenizer
+
+    try:
+        settings = resolve_settings(args)
+        tokenizer = Tokenizer(settings["tokenizer"])
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(settings, tokenizer))
+    except OSError as e:
+        print(f"{PROG}: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
