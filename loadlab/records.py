@@ -65,7 +65,7 @@ class RequestRecord:
     t_scheduled_wall: float | None = None  # open-loop load models: when the send was due
 
     def to_json_line(self) -> bytes:
-        return orjson.dumps(dataclasses.asdict(self)) + b"\n"
+        return orjson.dumps(self) + b"\n"  # orjson serialises dataclasses natively (~50x asdict)
 
 
 RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))

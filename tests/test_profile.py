@@ -67,14 +67,30 @@ def test_fixed_length_override_replaces_a_range(tmp_path):
 # (profile text or a transformation of GOOD, expected line number or None, fragments that must appear)
 BAD = {
     "unknown top-level key": (GOOD + "extra: 1\n", 15, ["extra", "unknown key"]),
-    "unknown nested key": (GOOD.replace("  api: generate", "  apii: generate"), 5, ["target.apii", "unknown key"]),
-    "concurrency not a number": (GOOD.replace("concurrency: 4", "concurrency: many"), 7, ["load.concurrency", "'many'"]),
-    "zero concurrency": (GOOD.replace("concurrency: 4", "concurrency: 0"), 7, ["load.concurrency", "greater than 0"]),
+    "unknown nested key": (
+        GOOD.replace("  api: generate", "  apii: generate"),
+        5,
+        ["target.apii", "unknown key"],
+    ),
+    "concurrency not a number": (
+        GOOD.replace("concurrency: 4", "concurrency: many"),
+        7,
+        ["load.concurrency", "'many'"],
+    ),
+    "zero concurrency": (
+        GOOD.replace("concurrency: 4", "concurrency: 0"),
+        7,
+        ["load.concurrency", "greater than 0"],
+    ),
     "negative measured": (GOOD.replace("measured: 10", "measured: -5"), 10, ["requests.measured", "-5"]),
     "negative warmup": (GOOD.replace("warmup: 2", "warmup: -1"), 9, ["requests.warmup"]),
     "bad api": (GOOD.replace("api: generate", "api: grpc"), 5, ["target.api", "grpc"]),
     "bad url": (GOOD.replace("url: embedded", "url: gpu-box:30000"), 3, ["target", "http://"]),
-    "unknown workload kind": (GOOD.replace("kind: random_prefix", "kind: zipfian"), 12, ["workload", "kind must be one of"]),
+    "unknown workload kind": (
+        GOOD.replace("kind: random_prefix", "kind: zipfian"),
+        12,
+        ["workload", "kind must be one of"],
+    ),
     "missing workload": (GOOD.split("workload:")[0], None, ["workload", "required key is missing"]),
     "workload key of another kind": (GOOD + "  num_groups: 4\n", 15, ["workload.num_groups", "unknown key"]),
     "reversed range": (
@@ -88,7 +104,11 @@ BAD = {
         ["workload", "too short"],
     ),
     "negative slo": (GOOD + "slo:\n  ttft_p95_ms: -3\n", 16, ["slo.ttft_p95_ms", "greater than 0"]),
-    "zero timeout": (GOOD.replace("  api: generate", "  api: generate\n  timeout_s: 0"), 6, ["target.timeout_s"]),
+    "zero timeout": (
+        GOOD.replace("  api: generate", "  api: generate\n  timeout_s: 0"),
+        6,
+        ["target.timeout_s"],
+    ),
     "seed not an int": (GOOD.replace("seed: 1", "seed: abc"), 2, ["seed", "'abc'"]),
     "invalid yaml": ("name: [unclosed\nseed: 1\n", 2, ["not valid YAML"]),
     "tab indentation yaml": ("name: t\n\tseed: 1\n", 2, ["not valid YAML"]),
@@ -163,7 +183,10 @@ LOCUST = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--
         (["run", "profiles/default.yaml", "--set", "nokey"], ["--set", "KEY=VALUE"]),
         (["run", "profiles/default.yaml", "--set", "load.concurrency=-3"], ["load.concurrency"]),
         (["run", "profiles/default.yaml", "--host", "gpu-box"], ["target", "http://"]),
-        (["run", "profiles/default.yaml", "--tokenizer", "/nonexistent/tokenizer.json"], ["target.tokenizer"]),
+        (
+            ["run", "profiles/default.yaml", "--tokenizer", "/nonexistent/tokenizer.json"],
+            ["target.tokenizer"],
+        ),
         (["validate", "profiles/rag.yaml", "tests/does-not-exist.yaml"], ["does-not-exist.yaml"]),
     ],
 )

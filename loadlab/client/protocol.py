@@ -83,7 +83,7 @@ def decode_stream(api: str, lines: list[bytes], times: list[float], ended_cleanl
             saw_done = True
             continue
         try:
-            event = orjson.loads(payload)
+            event = parse_event(payload)
         except orjson.JSONDecodeError:
             out.outcome, out.error = PROTOCOL_ERROR, f"not JSON in a data line: {_clip(payload)}"
             return out
@@ -107,6 +107,25 @@ def decode_stream(api: str, lines: list[bytes], times: list[float], ended_cleanl
     if ended_cleanly and not saw_done and out.finish_reason is None:
         out.outcome, out.error = DROPPED, "stream ended without a finish_reason or [DONE]"
     return out
+
+
+_META_KEY = b'"meta_info":'
+
+
+def parse_event(payload: bytes) -> dict:
+    """Parses one data payload. Native events repeat the whole output so far (cumulative text and
+    output_ids), so parsing them all is quadratic in the output length; when meta_info is the event's
+    last key, as SGLang writes it, only that object is parsed. A quote followed by meta_info and a colon
+    cannot occur inside a JSON string (the quote would be escaped), so the match is the real key."""
+    at = payload.rfind(_META_KEY)
+    if at > 0 and payload.endswith(b"}"):
+        try:
+            meta = orjson.loads(payload[at + len(_META_KEY) : -1])
+        except orjson.JSONDecodeError:
+            meta = None
+        if isinstance(meta, dict):
+            return {"meta_info": meta}
+    return orjson.loads(payload)
 
 
 class _State:

@@ -1,0 +1,222 @@
+"""Shared fixtures for the real-process tests: servers started as subprocesses on 127.0.0.1, and
+`loadlab run` as a subprocess whose last stdout line is the run directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILES = Path(__file__).resolve().parent / "profiles"
+READY_PREFIX = "loadlab-sim listening on "
+LOADLAB = [sys.executable, "-m", "loadlab.cli"]
+
+
+class ServerProcess:
+    """A server subprocess that printed its ready line; ``url`` is its base URL."""
+
+    def __init__(self, argv: list[str], log_path: Path | None = None, start_timeout_s: float = 30.0):
+        self.argv = argv
+        self.log_path = log_path
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.stderr_lines: list[str] = []
+        line = _readline_with_timeout(self.proc.stdout, start_timeout_s)
+        if not line.startswith(READY_PREFIX):
+            self.stop()
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise RuntimeError(f"server {argv} did not start: stdout {line!r}, stderr {err[-2000:]!r}")
+        self.url = line[len(READY_PREFIX) :].strip()
+        for stream, sink in ((self.proc.stdout, None), (self.proc.stderr, self.stderr_lines)):
+            threading.Thread(target=_drain, args=(stream, sink), daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def case_url(self, case: str) -> str:
+        return f"{self.url}/case/{case}"
+
+    def log_entries(self) -> dict[str, dict]:
+        """The server's per-request log, keyed by request id (= the client's server_id)."""
+        out = {}
+        if self.log_path is None or not self.log_path.exists():
+            return out
+        for line in self.log_path.read_bytes().splitlines():
+            if line.strip():
+                entry = orjson.loads(line)
+                out[entry["id"]] = entry
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _readline_with_timeout(stream, timeout_s: float) -> str:
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return got[0] if got else ""
+
+
+def _drain(stream, sink) -> None:
+    try:
+        for line in stream:
+            if sink is not None:
+                sink.append(line)
+    except (OSError, ValueError):
+        pass
+
+
+def start_scripted(log_path: Path, ttft_ms: float = 100.0, gap_ms: float = 20.0) -> ServerProcess:
+    argv = [sys.executable, "-m", "loadlab.sim.scripted", "--port", "0", "--log", str(log_path)]
+    argv += ["--ttft-ms", str(ttft_ms), "--gap-ms", str(gap_ms)]
+    return ServerProcess(argv, log_path)
+
+
+@pytest.fixture(scope="session")
+def scripted_server(tmp_path_factory):
+    """One scripted server for the session: first event 100 ms after the request, then every 20 ms."""
+    server = start_scripted(tmp_path_factory.mktemp("scripted") / "server.jsonl", 100.0, 20.0)
+    yield server
+    server.stop()
+
+
+class LoadlabRun:
+    """A finished `loadlab run` subprocess."""
+
+    def __init__(self, argv: list[str], proc: subprocess.CompletedProcess | None, elapsed_s: float):
+        self.argv = argv
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+        self.elapsed_s = elapsed_s
+        lines = [line for line in self.stdout.splitlines() if line.strip()]
+        self.run_dir = Path(lines[-1].strip()) if lines else None
+
+    def explain(self) -> str:
+        return (
+            f"loadlab run exit {self.returncode} after {self.elapsed_s:.1f} s\nargv: {self.argv}\n"
+            f"stdout:\n{self.stdout[-3000:]}\nstderr:\n{self.stderr[-5000:]}"
+        )
+
+    def records(self):
+        from loadlab.records import load_records
+
+        return load_records(self.run_dir)
+
+    def manifest(self) -> dict:
+        from loadlab.records import read_manifest
+
+        return read_manifest(self.run_dir)
+
+
+def loadlab_run_argv(profile: str | Path, host: str, out: Path, *options: str) -> list[str]:
+    """`loadlab run` argv with the options BEFORE the profile path: cli.py (argparse REMAINDER) passes
+    whatever follows the profile to Locust unparsed, so e.g. --out given after it is not seen by loadlab."""
+    profile = Path(profile)
+    if not profile.is_absolute() and not profile.exists():
+        profile = PROFILES / profile
+    return [*LOADLAB, "run", "--host", host, "--out", str(out), *options, str(profile)]
+
+
+def run_loadlab(profile, host: str, out: Path, *options: str, timeout_s: float = 120.0) -> LoadlabRun:
+    """Runs `loadlab run` to completion and returns it (``run_dir`` = the last stdout line)."""
+    argv = loadlab_run_argv(profile, host, out, *options)
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    return LoadlabRun(argv, proc, time.monotonic() - t0)
+
+
+def run_loadlab_many(jobs: dict[str, list[str]], timeout_s: float = 120.0) -> dict[str, LoadlabRun]:
+    """Runs several `loadlab run` argvs at the same time; returns {name: LoadlabRun}."""
+    started = {}
+    for name, argv in jobs.items():
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started[name] = (argv, proc, time.monotonic())
+    out = {}
+    deadline = time.monotonic() + timeout_s
+    for name, (argv, proc, t0) in started.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        done = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+        out[name] = LoadlabRun(argv, done, time.monotonic() - t0)
+    return out
+
+
+def percentile(values, q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
+
+
+def timing_errors(records, server_log: dict[str, dict]) -> tuple[list[float], list[float], list[str]]:
+    """Per-request TTFT error and per-event ITL error (ms) of ok records against the server's log:
+    TTFT error = ttft_ms - (write_wall[0] - t_send_wall) * 1000,
+    ITL error  = (arrival_ms[j] - arrival_ms[j-1]) - (write_wall[j] - write_wall[j-1]) * 1000.
+    Returns (ttft_errors, itl_errors, problems)."""
+    ttft_err, itl_err, problems = [], [], []
+    for rec in records.itertuples():
+        if rec.outcome != "ok":
+            continue
+        entry = server_log.get(rec.server_id)
+        if entry is None:
+            problems.append(f"index {rec.index}: server_id {rec.server_id!r} not in the server log")
+            continue
+        arrivals = list(rec.arrival_ms)
+        writes = entry["write_wall"]
+        if list(rec.arrival_tokens) != entry["tokens"] or len(arrivals) != len(writes):
+            problems.append(
+                f"index {rec.index}: client saw tokens {list(rec.arrival_tokens)}, server wrote {entry['tokens']}"
+            )
+            continue
+        ttft_err.append(rec.ttft_ms - (writes[0] - rec.t_send_wall) * 1000.0)
+        for j in range(1, len(arrivals)):
+            itl_err.append((arrivals[j] - arrivals[j - 1]) - (writes[j] - writes[j - 1]) * 1000.0)
+    return ttft_err, itl_err, problems
+
+
+def describe_errors(label: str, ttft_err, itl_err) -> str:
+    def stats(values) -> str:
+        mags = [abs(v) for v in values]
+        return (
+            f"n={len(values)} median {percentile(mags, 50):.3f} P95 {percentile(mags, 95):.3f} "
+            f"max {max(mags, default=float('nan')):.3f} ms (signed median {percentile(values, 50):+.3f})"
+        )
+
+    load = os.getloadavg()[0]  # other work on the machine shows up in the tails
+    return f"{label}: |TTFT error| {stats(ttft_err)}; |ITL error| {stats(itl_err)}; load {load:.2f}"
+
+
+# Timing figures collected by the tests, printed at the end of the session (also without -s).
+TIMING_REPORT: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if TIMING_REPORT:
+        terminalreporter.section("client timing error against the scripted server's write times")
+        for line in TIMING_REPORT:
+            terminalreporter.write_line(line)
