@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -39,6 +40,7 @@ class EmbeddedServer:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=_die_with_parent,
         )
         ready: list[str] = []
         reader = threading.Thread(target=lambda: ready.append(self.proc.stdout.readline()), daemon=True)
@@ -65,6 +67,18 @@ class EmbeddedServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+def _die_with_parent() -> None:
+    """In the child: ask Linux to send SIGTERM when the parent dies, so a killed load generator never
+    leaves an orphaned server behind. Elsewhere the server is only stopped by a clean exit."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def _drain(stream) -> None:

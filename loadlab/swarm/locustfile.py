@@ -110,6 +110,18 @@ def _on_test_start(environment, **_kw):
     session.run = environment.loadlab_run = run
     log.info("loadlab: run directory %s", run.dir)
     gevent.spawn(_stop_when_done, environment, run)
+    gevent.spawn(_show_progress, run)
+
+
+PROGRESS_EVERY_S = 10.0
+
+
+def _show_progress(run: Run) -> None:
+    """A progress line every few seconds on long runs: phase, counts, failures, ETA."""
+    while not run.tickets.all_done.wait(PROGRESS_EVERY_S):
+        if run.finalized:
+            return
+        log.info("loadlab: %s", run.progress())
 
 
 def _stop_when_done(environment, run: Run) -> None:

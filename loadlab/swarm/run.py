@@ -37,6 +37,7 @@ class Tickets:
         self.measured_finished = 0
         self.warmup_done = Event()
         self.all_done = Event()
+        self.measure_started_wall: float | None = None
         if warmup == 0:
             self.warmup_done.set()
 
@@ -50,6 +51,8 @@ class Tickets:
         if index < self.warmup:
             return index, WARMUP
         self.warmup_done.wait()
+        if self.measure_started_wall is None:
+            self.measure_started_wall = time.time()
         return index, MEASURE
 
     def finished(self, phase: str) -> None:
@@ -118,6 +121,21 @@ class Run:
         self.writer.write(rec)
         self.outcomes[rec.outcome] = self.outcomes.get(rec.outcome, 0) + 1
         self.tickets.finished(rec.phase)
+
+    def progress(self) -> str:
+        """One line: where the run is, what failed, and when it should end."""
+        t = self.tickets
+        now = time.time()
+        elapsed = now - self.manifest["started_wall"]
+        failed = self.writer.count - self.outcomes.get(OK, 0)
+        if not t.warmup_done.is_set():
+            return f"warm-up {t.warmup_finished}/{t.warmup} done, {failed} failed, {elapsed:.0f} s elapsed"
+        measured = t.total - t.warmup
+        line = f"measured {t.measured_finished}/{measured} done, {failed} failed, {elapsed:.0f} s elapsed"
+        if t.measured_finished and t.measure_started_wall is not None:
+            rate = t.measured_finished / max(now - t.measure_started_wall, 1e-9)
+            line += f", about {(measured - t.measured_finished) / rate:.0f} s to go"
+        return line
 
     @property
     def complete(self) -> bool:
