@@ -22,16 +22,16 @@ class TargetError(Exception):
     """The target cannot be used; the message is the one line to print."""
 
 
-class EmbeddedServer:
-    """`loadlab sim` as a child process on a free loopback port."""
+class ServerProcess:
+    """A server child process that prints ``loadlab-sim listening on URL`` when ready (the embedded
+    server and the scripted test server both do)."""
 
-    def __init__(self, settings: dict[str, Any]):
-        from loadlab.sim.cli import settings_to_argv
-
-        self.argv = [sys.executable, "-m", "loadlab.sim", "--host", "127.0.0.1", "--port", "0"]
-        self.argv += settings_to_argv(settings)
+    def __init__(self, argv: list[str], start_timeout_s: float = START_TIMEOUT_S):
+        self.argv = argv
+        self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+        self.stderr_lines: list[str] = []
 
     def start(self) -> str:
         self.proc = subprocess.Popen(
@@ -45,17 +45,17 @@ class EmbeddedServer:
         ready: list[str] = []
         reader = threading.Thread(target=lambda: ready.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
-        reader.join(START_TIMEOUT_S)
+        reader.join(self.start_timeout_s)
         line = ready[0].strip() if ready else ""
         if not line.startswith(READY_PREFIX):
             self.stop()
             err = (self.proc.stderr.read() or "").strip().splitlines() if self.proc.stderr else []
-            why = err[-1] if err else f"no ready line within {START_TIMEOUT_S:g} s"
-            raise TargetError(f"embedded server did not start: {why}")
+            why = err[-1] if err else f"no ready line within {self.start_timeout_s:g} s"
+            raise TargetError(f"server did not start: {why}")
         self.url = line[len(READY_PREFIX) :]
-        # Drain the child's output so it never blocks on a full pipe.
-        for stream in (self.proc.stdout, self.proc.stderr):
-            threading.Thread(target=_drain, args=(stream,), daemon=True).start()
+        # Drain the child's output so it never blocks on a full pipe; keep stderr for diagnosis.
+        threading.Thread(target=_drain, args=(self.proc.stdout, None), daemon=True).start()
+        threading.Thread(target=_drain, args=(self.proc.stderr, self.stderr_lines), daemon=True).start()
         return self.url
 
     def stop(self) -> None:
@@ -67,6 +67,16 @@ class EmbeddedServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+class EmbeddedServer(ServerProcess):
+    """`loadlab sim` as a child process on a free loopback port."""
+
+    def __init__(self, settings: dict[str, Any]):
+        from loadlab.sim.cli import settings_to_argv
+
+        argv = [sys.executable, "-m", "loadlab.sim", "--host", "127.0.0.1", "--port", "0"]
+        super().__init__(argv + settings_to_argv(settings))
 
 
 def _die_with_parent() -> None:
@@ -81,10 +91,11 @@ def _die_with_parent() -> None:
         pass
 
 
-def _drain(stream) -> None:
+def _drain(stream, sink: list[str] | None) -> None:
     try:
-        for _ in stream:
-            pass
+        for line in stream:
+            if sink is not None:
+                sink.append(line)
     except (OSError, ValueError):
         pass
 

@@ -6,42 +6,26 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import orjson
 import pytest
 
+from loadlab.target import ServerProcess
+
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = Path(__file__).resolve().parent / "profiles"
-READY_PREFIX = "loadlab-sim listening on "
 LOADLAB = [sys.executable, "-m", "loadlab.cli"]
 
 
-class ServerProcess:
-    """A server subprocess that printed its ready line; ``url`` is its base URL."""
+class ScriptedServer(ServerProcess):
+    """The scripted server: ``url`` is its base URL, ``log_entries()`` its per-request write times."""
 
-    def __init__(self, argv: list[str], log_path: Path | None = None, start_timeout_s: float = 30.0):
-        self.argv = argv
+    def __init__(self, argv: list[str], log_path: Path | None = None):
+        super().__init__(argv)
         self.log_path = log_path
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.stderr_lines: list[str] = []
-        line = _readline_with_timeout(self.proc.stdout, start_timeout_s)
-        if not line.startswith(READY_PREFIX):
-            self.stop()
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise RuntimeError(f"server {argv} did not start: stdout {line!r}, stderr {err[-2000:]!r}")
-        self.url = line[len(READY_PREFIX) :].strip()
-        for stream, sink in ((self.proc.stdout, None), (self.proc.stderr, self.stderr_lines)):
-            threading.Thread(target=_drain, args=(stream, sink), daemon=True).start()
+        self.start()
 
     @property
     def port(self) -> int:
@@ -61,37 +45,11 @@ class ServerProcess:
                 out[entry["id"]] = entry
         return out
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
-
-def _readline_with_timeout(stream, timeout_s: float) -> str:
-    got: list[str] = []
-    reader = threading.Thread(target=lambda: got.append(stream.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    return got[0] if got else ""
-
-
-def _drain(stream, sink) -> None:
-    try:
-        for line in stream:
-            if sink is not None:
-                sink.append(line)
-    except (OSError, ValueError):
-        pass
-
-
-def start_scripted(log_path: Path, ttft_ms: float = 100.0, gap_ms: float = 20.0) -> ServerProcess:
+def start_scripted(log_path: Path, ttft_ms: float = 100.0, gap_ms: float = 20.0) -> ScriptedServer:
     argv = [sys.executable, "-m", "loadlab.sim.scripted", "--port", "0", "--log", str(log_path)]
     argv += ["--ttft-ms", str(ttft_ms), "--gap-ms", str(gap_ms)]
-    return ServerProcess(argv, log_path)
+    return ScriptedServer(argv, log_path)
 
 
 @pytest.fixture(scope="session")
