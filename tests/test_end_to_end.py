@@ -107,3 +107,50 @@ def test_rag_profile_runs_on_every_api(tmp_path, api):
         assert (measure.prompt_tokens == 1024).all()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["slo"]["objectives"] and summary["slo"]["pass"] in (True, False)
+
+
+def test_locust_users_flag_overrides_the_profile_concurrency(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", "locustfile.py", "--headless", "-u", "4", "--out", str(tmp_path),
+         "--num-requests", "24", "--warmup-requests", "4", "--output-len", "8"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = list(tmp_path.iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert read_manifest(run_dir)["load"]["concurrency"] == 4
+    assert summary["in_flight"]["max"] == 4 and summary["completed"] == 24
+
+
+def test_exact_text_lengths_with_a_tokenizer_file(tmp_path):
+    """With the same local tokenizer.json on both sides, OpenAI text prompts have exactly the intended length."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from loadlab.workload.words import WORDS
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tok.decoder = tokenizers.decoders.Metaspace()
+    # A small vocabulary, so many table words split into several tokens and one-word-one-token is far off.
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=1200, special_tokens=["[UNK]"], show_progress=False)
+    tok.train_from_iterator([" ".join(WORDS[i : i + 40]) for i in range(0, len(WORDS), 7)] * 3, trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    out = tmp_path / "runs"
+    run_dir, _ = loadlab_run(
+        out,
+        "profiles/random-prefix.yaml",
+        "--api", "completions", "--tokenizer", str(path), "--set", f"target.embedded.tokenizer={path}",
+        "--concurrency", "4", "--warmup-requests", "0", "--num-requests", "12",
+        "--input-len", "300", "--output-len", "4",
+    )  # fmt: skip
+    records = load_records(run_dir)
+    assert (records.outcome == "ok").all()
+    assert (records.prompt_tokens == 300).all(), records.prompt_tokens.tolist()
+    # The check can fail: without the tokenizer the same prompts come out far longer.
+    from loadlab.workload.text import Renderer
+
+    plain = Renderer(None).text(list(range(0, 1500, 5)))
+    assert len(tok.encode(plain).ids) > 400
