@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 
+from loadlab.sim.scripted import read_log, timing_errors  # noqa: F401 - timing_errors: for the tests
 from loadlab.target import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,14 +36,9 @@ class ScriptedServer(ServerProcess):
 
     def log_entries(self) -> dict[str, dict]:
         """The server's per-request log, keyed by request id (= the client's server_id)."""
-        out = {}
         if self.log_path is None or not self.log_path.exists():
-            return out
-        for line in self.log_path.read_bytes().splitlines():
-            if line.strip():
-                entry = orjson.loads(line)
-                out[entry["id"]] = entry
-        return out
+            return {}
+        return read_log(self.log_path)
 
 
 def start_scripted(log_path: Path, ttft_ms: float = 100.0, gap_ms: float = 20.0) -> ScriptedServer:
@@ -90,8 +85,7 @@ class LoadlabRun:
 
 
 def loadlab_run_argv(profile: str | Path, host: str, out: Path, *options: str) -> list[str]:
-    """`loadlab run` argv with the options BEFORE the profile path: cli.py (argparse REMAINDER) passes
-    whatever follows the profile to Locust unparsed, so e.g. --out given after it is not seen by loadlab."""
+    """`loadlab run` argv against ``host`` writing under ``out``."""
     profile = Path(profile)
     if not profile.is_absolute() and not profile.exists():
         profile = PROFILES / profile
@@ -129,32 +123,6 @@ def percentile(values, q: float) -> float:
     import numpy as np
 
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
-
-
-def timing_errors(records, server_log: dict[str, dict]) -> tuple[list[float], list[float], list[str]]:
-    """Per-request TTFT error and per-event ITL error (ms) of ok records against the server's log:
-    TTFT error = ttft_ms - (write_wall[0] - t_send_wall) * 1000,
-    ITL error  = (arrival_ms[j] - arrival_ms[j-1]) - (write_wall[j] - write_wall[j-1]) * 1000.
-    Returns (ttft_errors, itl_errors, problems)."""
-    ttft_err, itl_err, problems = [], [], []
-    for rec in records.itertuples():
-        if rec.outcome != "ok":
-            continue
-        entry = server_log.get(rec.server_id)
-        if entry is None:
-            problems.append(f"index {rec.index}: server_id {rec.server_id!r} not in the server log")
-            continue
-        arrivals = list(rec.arrival_ms)
-        writes = entry["write_wall"]
-        if list(rec.arrival_tokens) != entry["tokens"] or len(arrivals) != len(writes):
-            problems.append(
-                f"index {rec.index}: client saw tokens {list(rec.arrival_tokens)}, server wrote {entry['tokens']}"
-            )
-            continue
-        ttft_err.append(rec.ttft_ms - (writes[0] - rec.t_send_wall) * 1000.0)
-        for j in range(1, len(arrivals)):
-            itl_err.append((arrivals[j] - arrivals[j - 1]) - (writes[j] - writes[j - 1]) * 1000.0)
-    return ttft_err, itl_err, problems
 
 
 def describe_errors(label: str, ttft_err, itl_err) -> str:

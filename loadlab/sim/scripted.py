@@ -638,6 +638,43 @@ async def serve(host: str, port: int, ttft_ms: float, gap_ms: float, log_path: s
         await srv.serve_forever()
 
 
+def read_log(path) -> dict[str, dict]:
+    """The server's per-request log (--log), keyed by request id (= the client's server_id)."""
+    out = {}
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                entry = orjson.loads(line)
+                out[entry["id"]] = entry
+    return out
+
+
+def timing_errors(records, server_log: dict[str, dict]) -> tuple[list[float], list[float], list[str]]:
+    """Per-request TTFT error and per-event ITL error (ms) of ok records against the server's log:
+    TTFT error = ttft_ms - (write_wall[0] - t_send_wall) * 1000,
+    ITL error  = (arrival_ms[j] - arrival_ms[j-1]) - (write_wall[j] - write_wall[j-1]) * 1000.
+    Returns (ttft_errors, itl_errors, problems)."""
+    ttft_err, itl_err, problems = [], [], []
+    for rec in records.itertuples():
+        if rec.outcome != "ok":
+            continue
+        entry = server_log.get(rec.server_id)
+        if entry is None:
+            problems.append(f"index {rec.index}: server_id {rec.server_id!r} not in the server log")
+            continue
+        arrivals = list(rec.arrival_ms)
+        writes = entry["write_wall"]
+        if list(rec.arrival_tokens) != entry["tokens"] or len(arrivals) != len(writes):
+            problems.append(
+                f"index {rec.index}: client saw tokens {list(rec.arrival_tokens)}, server wrote {entry['tokens']}"
+            )
+            continue
+        ttft_err.append(rec.ttft_ms - (writes[0] - rec.t_send_wall) * 1000.0)
+        for j in range(1, len(arrivals)):
+            itl_err.append((arrivals[j] - arrivals[j - 1]) - (writes[j] - writes[j - 1]) * 1000.0)
+    return ttft_err, itl_err, problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadlab.sim.scripted", description=__doc__.split("\n")[0]
