@@ -14,10 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadlab.profile import ProfileError, load_profile
+from loadlab.profile import CLI_OVERRIDES, EXIT_BAD_INPUT, ProfileError, load_profile
 from loadlab.swarm.options import add_loadlab_arguments, overrides_from_options
 
-EXIT_BAD_INPUT = 2
 LOCUSTFILE = Path(__file__).parent / "swarm" / "locustfile.py"
 
 
@@ -73,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args) -> int:
-    from loadlab.swarm.run import default_run_name
+    from loadlab.swarm.run import default_run_name, unique_run_name
     from loadlab.workload import build_workload
     from loadlab.workload.text import Renderer
 
@@ -81,33 +80,28 @@ def _cmd_run(args) -> int:
     build_workload(profile)
     Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
     out = Path(args.out)
-    name = args.run_name or default_run_name(profile.name)
-    candidate, n = name, 1
-    while (out / candidate).exists():
-        n += 1
-        candidate = f"{name}-{n}"
+    run_name = unique_run_name(out, args.run_name or default_run_name(profile.name))
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary"]
-    cmd += ["--profile-file", args.profile, "--out", str(out), "--run-name", candidate]
-    for flag in ("api", "concurrency", "num_requests", "warmup_requests", "input_len", "output_len"):
+    cmd += ["--profile-file", args.profile, "--out", str(out), "--run-name", run_name]
+    for flag in CLI_OVERRIDES:  # the same loadlab options, passed on as given
         value = getattr(args, flag)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
-    for flag in ("seed", "tokenizer", "model", "host"):
-        value = getattr(args, flag)
-        if value is not None:
-            cmd += ["--" + flag, str(value)]
     for item in args.set or []:
         cmd += ["--set", item]
     if args.run_time:
         cmd += ["--run-time", args.run_time]
     cmd += args.locust_args
-    # Ctrl-C reaches Locust too (same process group); it finalizes the run, so wait for it.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A terminal Ctrl-C reaches Locust too (same process group); Locust records the in-flight requests as
+    # cancelled and finalizes the run, so this process only waits. (A no-op handler, not SIG_IGN: an
+    # ignored signal would stay ignored in Locust across exec.)
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
     try:
-        status = subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        status = proc.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
-    run_dir = out / candidate
+    run_dir = out / run_name
     if not (run_dir / "manifest.json").exists():
         print(f"loadlab: the run did not start (locust exit status {status})", file=sys.stderr)
         return status or 1

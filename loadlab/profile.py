@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 APIS = ("generate", "completions", "chat")
 API_PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 EMBEDDED = "embedded"
+EXIT_BAD_INPUT = 2  # the process exit status for a user mistake (profile, flag, file)
 
 
 class ProfileError(Exception):
@@ -25,8 +27,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
+# Strict: YAML's `true` or `1.5` for a count is a mistake, not 1.
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 
 
 class Target(_Strict):
@@ -42,9 +45,28 @@ class Target(_Strict):
 
     @model_validator(mode="after")
     def _url_shape(self):
-        if self.url != EMBEDDED and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must be 'embedded' or start with http:// or https:// (got {self.url!r})")
+        if self.url == EMBEDDED:
+            return self
+        problem = url_problem(self.url)
+        if problem:
+            raise ValueError(f"url must be 'embedded' or an http(s) URL: {problem} (got {self.url!r})")
         return self
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a target URL, or None."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+    except ValueError as e:
+        return str(e)
+    if parts.scheme not in ("http", "https"):
+        return "it must start with http:// or https://"
+    if not parts.hostname:
+        return "it has no host name"
+    if parts.query or parts.fragment:
+        return "a query string or fragment cannot be part of the base URL"
+    return None
 
 
 class Load(_Strict):
@@ -125,7 +147,7 @@ Workload = Annotated[RagWorkload | SharedPrefixWorkload | RandomPrefixWorkload, 
 class Profile(_Strict):
     name: str = "unnamed"
     description: str = ""
-    seed: int = 0
+    seed: StrictInt = 0
     target: Target = Field(default_factory=Target)
     load: Load = Field(default_factory=Load)
     requests: Requests = Field(default_factory=Requests)
@@ -174,7 +196,7 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
         raise ProfileError(f"{label}: profile is empty")
     if not isinstance(data, dict):
         raise ProfileError(f"{label}:1: a profile must be a mapping of keys, got {type(data).__name__}")
-    lines = _key_lines(root)
+    lines = _key_lines(root, label=label)
     kind = data.get("workload", {}).get("kind") if isinstance(data.get("workload"), dict) else None
     for key, value in (overrides or {}).items():
         if kind == "shared_prefix" and key == "workload.input_len":
@@ -244,19 +266,25 @@ def _describe(err: dict[str, Any]) -> str:
     return msg
 
 
-def _key_lines(node, prefix=()) -> dict[tuple[str, ...], int]:
-    """Maps each key path in a composed YAML tree to its 1-based line number."""
+def _key_lines(node, prefix=(), label="<profile>") -> dict[tuple[str, ...], int]:
+    """Maps each key path in a composed YAML tree to its 1-based line number; a key given twice in one
+    mapping is an error (YAML loaders silently keep the last one)."""
     out: dict[tuple[str, ...], int] = {}
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             path = prefix + (str(key_node.value),)
+            if path in out:
+                line = key_node.start_mark.line + 1
+                raise ProfileError(
+                    f"{label}:{line}: {'.'.join(path)}: duplicate key (first at line {out[path]})"
+                )
             out[path] = key_node.start_mark.line + 1
-            out.update(_key_lines(value_node, path))
+            out.update(_key_lines(value_node, path, label))
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             path = prefix + (str(i),)
             out[path] = item.start_mark.line + 1
-            out.update(_key_lines(item, path))
+            out.update(_key_lines(item, path, label))
     return out
 
 

@@ -8,6 +8,7 @@ readable file; ``finalize`` converts them to ``records.parquet``. The columns ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -29,7 +30,18 @@ TIMEOUT = "timeout"  # no byte for idle_timeout_s, or the whole request passed t
 CONNECT_ERROR = "connect_error"  # could not connect or send the request
 PROTOCOL_ERROR = "protocol_error"  # the server sent something that is not SGLang's wire format
 CANCELLED = "cancelled"  # the run stopped (e.g. -t ran out) while the request was in flight
-OUTCOMES = (OK, HTTP_ERROR, STREAM_ERROR, DROPPED, TIMEOUT, CONNECT_ERROR, PROTOCOL_ERROR, CANCELLED)
+CLIENT_ERROR = "client_error"  # loadlab itself failed on this request (a bug: the error says what)
+OUTCOMES = (
+    OK,
+    HTTP_ERROR,
+    STREAM_ERROR,
+    DROPPED,
+    TIMEOUT,
+    CONNECT_ERROR,
+    PROTOCOL_ERROR,
+    CANCELLED,
+    CLIENT_ERROR,
+)
 
 WARMUP = "warmup"
 MEASURE = "measure"
@@ -128,12 +140,13 @@ def write_parquet(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     rows = read_jsonl_records(run_dir / RECORDS_JSONL) if (run_dir / RECORDS_JSONL).exists() else []
     columns = {name: [row.get(name) for row in rows] for name in RECORD_FIELDS}
-    table = pa.table({name: pa.array(values, type=_ARROW_TYPES[name]) for name, values in columns.items()})
+    table = pa.table({name: pa.array(values, type=_arrow_types()[name]) for name, values in columns.items()})
     out = run_dir / RECORDS_PARQUET
     pq.write_table(table, out)
     return out
 
 
+@functools.cache
 def _arrow_types() -> dict[str, Any]:
     import pyarrow as pa
 
@@ -166,15 +179,6 @@ def _arrow_types() -> dict[str, Any]:
     missing = set(RECORD_FIELDS) - set(types)
     assert not missing, f"no Arrow type for record fields {missing}"
     return types
-
-
-class _LazyTypes(dict):
-    def __missing__(self, key):
-        self.update(_arrow_types())
-        return dict.__getitem__(self, key)
-
-
-_ARROW_TYPES: dict[str, Any] = _LazyTypes()
 
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from geventhttpclient import URL, HTTPClient
 
 READY_PREFIX = "loadlab-sim listening on "
 START_TIMEOUT_S = 30.0
+EXIT_TARGET = 3  # the process exit status when the target cannot be reached
 
 
 class TargetError(Exception):
@@ -41,6 +42,7 @@ class ServerProcess:
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=_die_with_parent,
+            start_new_session=True,  # a terminal Ctrl-C stops the load generator, which then stops the server
         )
         ready: list[str] = []
         reader = threading.Thread(target=lambda: ready.append(self.proc.stdout.readline()), daemon=True)

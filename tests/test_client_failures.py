@@ -41,6 +41,7 @@ EXPECTED = {
     "drop": "dropped",
     "stall": "timeout",
     "garbage": "protocol_error",
+    "badshape": "protocol_error",
 }
 FAILURE_MIX = tuple(EXPECTED)
 HTTP_MIX = ("http_400", "http_503")
@@ -74,6 +75,10 @@ def runs(scripted_server, tmp_path_factory):
     for api in ("completions", "chat"):
         opts = _options(api, 4)
         jobs[f"nousage-{api}"] = loadlab_run_argv(PROFILE, url("nousage"), out / f"nousage-{api}", *opts)
+    for api in ("generate", "chat"):
+        jobs[f"notsse-{api}"] = loadlab_run_argv(
+            PROFILE, url("notsse"), out / f"notsse-{api}", *_options(api, 2)
+        )
     opts = ["--api", "generate", *CANCEL_OPTIONS]
     jobs["cancel"] = loadlab_run_argv(PROFILE, url("normal"), out / "cancel", *opts)
     return run_loadlab_many(jobs, timeout_s=150)
@@ -113,6 +118,14 @@ def test_http_errors(runs, scripted_server, api):
     assert sorted(df.http_status) == sorted([400, 503] * PER_CASE)
     for rec in df.itertuples():
         _http_error(rec, f"http_{rec.http_status}", api, None)
+
+
+@pytest.mark.parametrize("api", ["generate", "chat"])
+def test_reply_that_is_not_an_event_stream(runs, api):
+    df = _checked_records(runs[f"notsse-{api}"], 2)
+    assert (df.outcome == "protocol_error").all(), df[["index", "outcome", "error"]].to_string()
+    assert df.error.str.contains("text/event-stream").all()
+    assert (df.http_status == 200).all()
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
@@ -213,8 +226,8 @@ def _timeout(rec, case, api, log):
 
 def _protocol_error(rec, case, api, log):
     assert rec.http_status == 200
-    assert "not JSON" in rec.error, rec.error
-    assert sum(rec.arrival_tokens) == 2  # the scripted garbage line comes after 2 tokens
+    assert ("not JSON" if case == "garbage" else "unexpected event shape") in rec.error, rec.error
+    assert sum(rec.arrival_tokens) == 2  # the scripted bad line comes after 2 tokens
 
 
 CHECKS = {

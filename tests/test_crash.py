@@ -80,3 +80,70 @@ def test_sigkill_mid_run_leaves_a_reportable_partial_run(tmp_path):
     assert summary["completed"] == ok
     assert summary["partial"] is True
     assert "partial" in (run_dir / "summary.md").read_text().lower()
+
+
+def _wait_for_records(tmp_path, count, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dirs = list(tmp_path.iterdir())
+        records = dirs[0] / RECORDS_JSONL if dirs else None
+        if records and records.exists() and len(records.read_bytes().splitlines()) >= count:
+            return records.parent
+        time.sleep(0.2)
+    raise AssertionError(f"the run wrote fewer than {count} records in {timeout_s} s")
+
+
+def _assert_cut_short_cleanly(run_dir, proc_stderr):
+    assert "Traceback" not in proc_stderr, proc_stderr[-3000:]
+    manifest = read_manifest(run_dir)
+    assert manifest["complete"] is False
+    written = read_jsonl_records(run_dir / RECORDS_JSONL)
+    assert len({r["index"] for r in written}) == len(written)
+    assert manifest["counts"]["records"] == len(written)
+    outcomes = {r["outcome"] for r in written}
+    assert "cancelled" in outcomes, outcomes  # the in-flight requests are recorded, not lost
+    assert outcomes <= {"ok", "cancelled"}, outcomes  # and the server was not killed under them
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["partial"] is True
+    assert summary["failures"].get("cancelled", 0) == sum(
+        1 for r in written if r["outcome"] == "cancelled" and r["phase"] == "measure"
+    )
+
+
+def test_ctrl_c_on_loadlab_run_records_in_flight_requests_and_exits_1(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loadlab.cli", "run", "profiles/default.yaml", "--out", str(tmp_path),
+         "--num-requests", "2000", "--warmup-requests", "0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        run_dir = _wait_for_records(tmp_path, 20)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert stdout.strip().splitlines()[-1] == str(run_dir)
+    _assert_cut_short_cleanly(run_dir, stderr)
+
+
+def test_sigterm_on_locust_records_in_flight_requests_and_exits_1(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "locust", "-f", "locustfile.py", "--headless", "--out", str(tmp_path),
+         "--num-requests", "2000", "--warmup-requests", "0"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        run_dir = _wait_for_records(tmp_path, 20)
+        server_pids = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    _assert_cut_short_cleanly(run_dir, stderr)
+    time.sleep(1)
+    assert not any(_alive(pid) for pid in server_pids), "the embedded server outlived the run"

@@ -123,6 +123,8 @@ def test_locust_users_flag_overrides_the_profile_concurrency(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert read_manifest(run_dir)["load"]["concurrency"] == 4
     assert summary["in_flight"]["max"] == 4 and summary["completed"] == 24
+    # The report states the load that was applied, not the profile's 16.
+    assert summary["max_concurrency"] == 4 and summary["load_model"] == "closed loop, 4 in flight"
 
 
 def test_exact_text_lengths_with_a_tokenizer_file(tmp_path):

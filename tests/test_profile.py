@@ -110,6 +110,32 @@ BAD = {
         ["target.timeout_s"],
     ),
     "seed not an int": (GOOD.replace("seed: 1", "seed: abc"), 2, ["seed", "'abc'"]),
+    "duplicate key": (
+        GOOD.replace("  concurrency: 4", "  concurrency: 4\n  concurrency: 8"),
+        8,
+        ["load.concurrency", "duplicate key", "line 7"],
+    ),
+    "boolean for a count": (
+        GOOD.replace("measured: 10", "measured: true"),
+        10,
+        ["requests.measured", "integer"],
+    ),
+    "fraction for a count": (
+        GOOD.replace("measured: 10", "measured: 2.5"),
+        10,
+        ["requests.measured", "integer"],
+    ),
+    "url port not a number": (
+        GOOD.replace("url: embedded", "url: http://localhost:notaport"),
+        3,
+        ["target", "Port"],
+    ),
+    "url port out of range": (
+        GOOD.replace("url: embedded", "url: http://h:99999"),
+        3,
+        ["target", "out of range"],
+    ),
+    "url with a query": (GOOD.replace("url: embedded", "url: http://h:1/?x=1"), 3, ["target", "query"]),
     "invalid yaml": ("name: [unclosed\nseed: 1\n", 2, ["not valid YAML"]),
     "tab indentation yaml": ("name: t\n\tseed: 1\n", 2, ["not valid YAML"]),
     "empty file": ("", None, ["profile is empty"]),
@@ -188,6 +214,7 @@ LOCUST = [sys.executable, "-m", "locust", "-f", str(REPO / "locustfile.py"), "--
             ["target.tokenizer"],
         ),
         (["validate", "profiles/rag.yaml", "tests/does-not-exist.yaml"], ["does-not-exist.yaml"]),
+        (["run", "profiles/default.yaml", "--host", "http://[::1"], ["target", "http"]),
     ],
 )
 def test_loadlab_cli_bad_input_exits_2_with_one_line(args, fragments):
@@ -198,6 +225,14 @@ def test_locust_entry_bad_profile_exits_2_before_load(tmp_path):
     bad = write(tmp_path, GOOD.replace("concurrency: 4", "concurrency: 0"))
     proc = _run(LOCUST + ["--profile-file", str(bad)])
     _assert_one_line_error(proc, str(bad), "load.concurrency")
+
+
+def test_locust_zero_users_exits_2():
+    _assert_one_line_error(_run(LOCUST + ["-u", "0"]), "-u/--users", "at least 1")
+
+
+def test_unwritable_out_dir_exits_2():
+    _assert_one_line_error(_run(LOCUST + ["--out", "/proc/loadlab-cannot-write"]), "--out", "cannot create")
 
 
 def test_unreachable_target_fails_loudly():

@@ -268,8 +268,11 @@ def _get(mapping: Any, *keys: str) -> Any:
 
 
 def describe_load(manifest: dict[str, Any]) -> tuple[str, int | None, float | None]:
-    """(load model in words, max_concurrency, request_rate) from the manifest's resolved profile."""
-    load = _get(manifest, "profile", "load")
+    """(load model in words, max_concurrency, request_rate): the load the run applied (manifest "load",
+    e.g. Locust's -u), else the profile's."""
+    load = _get(manifest, "load")
+    if not isinstance(load, dict) or not load:
+        load = _get(manifest, "profile", "load")
     if not isinstance(load, dict):
         return "unknown", None, None
     model = load.get("model")

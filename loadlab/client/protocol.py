@@ -76,9 +76,12 @@ def decode_stream(api: str, lines: list[bytes], times: list[float], ended_cleanl
         line = raw.rstrip(b"\r\n")
         if not line or line[:1] == b":":  # event separator or SSE comment
             continue
-        if not line.startswith(b"data:"):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+        elif line.startswith(META_KEY):
+            payload = line  # a native event cut by the reader (see parse_event)
+        else:
             continue  # other SSE fields (event:, id:, retry:) carry nothing we use
-        payload = line[5:].strip()
         if payload == b"[DONE]":
             saw_done = True
             continue
@@ -96,7 +99,7 @@ def decode_stream(api: str, lines: list[bytes], times: list[float], ended_cleanl
             return out
         try:
             decode_event(event, t, state, out)
-        except (KeyError, TypeError, ValueError) as e:
+        except Exception as e:  # any shape we did not expect is the server's protocol error, not a crash
             out.outcome = PROTOCOL_ERROR
             out.error = f"unexpected event shape ({type(e).__name__}: {e}): {_clip(payload)}"
             return out
@@ -109,22 +112,16 @@ def decode_stream(api: str, lines: list[bytes], times: list[float], ended_cleanl
     return out
 
 
-_META_KEY = b'"meta_info":'
+META_KEY = b'"meta_info":'
 
 
 def parse_event(payload: bytes) -> dict:
-    """Parses one data payload. Native events repeat the whole output so far (cumulative text and
-    output_ids), so parsing them all is quadratic in the output length; when meta_info is the event's
-    last key, as SGLang writes it, only that object is parsed. A quote followed by meta_info and a colon
-    cannot occur inside a JSON string (the quote would be escaped), so the match is the real key."""
-    at = payload.rfind(_META_KEY)
-    if at > 0 and payload.endswith(b"}"):
-        try:
-            meta = orjson.loads(payload[at + len(_META_KEY) : -1])
-        except orjson.JSONDecodeError:
-            meta = None
-        if isinstance(meta, dict):
-            return {"meta_info": meta}
+    """Parses one data payload. A native line may have been cut by the reader to start at its
+    ``"meta_info":`` key (see ``StreamingClient.post_stream``): a quote followed by meta_info and a colon
+    cannot occur inside a JSON string (the quote would be escaped), so the cut is at a top-level key and
+    ``{`` + the rest is the same object without the cumulative text."""
+    if payload.startswith(META_KEY):
+        return orjson.loads(b"{" + payload)
     return orjson.loads(payload)
 
 

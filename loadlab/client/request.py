@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from loadlab.client.protocol import build_body, decode_stream, error_from_body
+from loadlab.client.protocol import META_KEY, build_body, decode_stream, error_from_body
 from loadlab.client.stream import Exchange, StreamingClient
 from loadlab.records import CANCELLED, HTTP_ERROR, OK, PROTOCOL_ERROR, RequestRecord
 
@@ -18,7 +18,7 @@ def send(
 ) -> None:
     """Streams one request into ``ex`` (the caller owns it, so a cancelled request still has its data)."""
     path, body = build_body(api, spec, renderer, model, rid)
-    client.post_stream(path, body, ex)
+    client.post_stream(path, body, ex, keep_from=META_KEY if api == "generate" else None)
 
 
 def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id: int, cancelled=False):
@@ -61,6 +61,4 @@ def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id:
         rec.outcome, rec.error = ex.transport, ex.error
     elif rec.outcome == OK and rec.output_tokens is None:
         rec.outcome, rec.error = PROTOCOL_ERROR, "the server reported no completion token count"
-    if ex.lines and ex.times:
-        rec.e2e_ms = (ex.times[-1] - t0) * 1000.0 if rec.outcome == OK else rec.e2e_ms
     return rec

@@ -16,7 +16,7 @@ import gevent
 from geventhttpclient import HTTPClient
 from geventhttpclient.response import HTTPConnectionClosed, HTTPParseError
 
-from loadlab.records import CONNECT_ERROR, DROPPED, HTTP_ERROR, OK, TIMEOUT
+from loadlab.records import CONNECT_ERROR, DROPPED, HTTP_ERROR, OK, PROTOCOL_ERROR, TIMEOUT
 
 MAX_ERROR_BODY = 64 * 1024
 HEADERS = {
@@ -36,7 +36,7 @@ class Exchange:
     lines: list[bytes] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     t_end: float | None = None
-    transport: str = OK  # OK, HTTP_ERROR, DROPPED, TIMEOUT or CONNECT_ERROR
+    transport: str = OK  # OK, HTTP_ERROR, DROPPED, TIMEOUT, CONNECT_ERROR or PROTOCOL_ERROR
     error: str | None = None
     body: bytes = b""  # the body of a non-2xx response
 
@@ -71,8 +71,12 @@ class StreamingClient:
             self._http.close()
             self._http = None
 
-    def post_stream(self, path: str, body: bytes, ex: Exchange) -> Exchange:
-        """Sends the request and reads the whole stream into ``ex``, timing each line on receipt."""
+    def post_stream(self, path: str, body: bytes, ex: Exchange, keep_from: bytes | None = None) -> Exchange:
+        """Sends the request and reads the whole stream into ``ex``, timing each line on receipt.
+
+        ``keep_from``: keep each line only from the last occurrence of these bytes on (native SGLang
+        events repeat the whole output so far before ``"meta_info":``; keeping only the tail makes memory
+        linear in the output length instead of quadratic)."""
         deadline = gevent.Timeout(self.timeout_s)
         deadline.start()
         ex.t_send_wall = time.time()
@@ -81,23 +85,22 @@ class StreamingClient:
             try:
                 resp = self._client().request("POST", self.base_path + path, body=body, headers=HEADERS)
             except TimeoutError:
-                ex.transport = TIMEOUT
-                ex.error = f"no response headers within {self._args['network_timeout']:g} s"
-                ex.t_end = time.perf_counter()
-                self.close()
-                return ex
+                return self._fail(
+                    ex, TIMEOUT, f"no response headers within {self._args['network_timeout']:g} s"
+                )
             except (OSError, HTTPConnectionClosed, HTTPParseError) as e:
-                ex.transport, ex.error = CONNECT_ERROR, f"{type(e).__name__}: {e}"
-                self.close()
-                return ex
+                return self._fail(ex, CONNECT_ERROR, f"{type(e).__name__}: {e}")
             ex.status = resp.status_code
             if ex.status >= 300:
-                ex.transport = HTTP_ERROR
                 ex.body = resp.read(MAX_ERROR_BODY)
-                ex.t_end = time.perf_counter()
                 resp.release()
-                self.close()
-                return ex
+                return self._fail(ex, HTTP_ERROR, None)
+            content_type = resp.get("content-type") or ""
+            if "text/event-stream" not in content_type:
+                head = resp.read(200)
+                resp.release()
+                got = f"{content_type or 'no content type'}: {head[:200]!r}"
+                return self._fail(ex, PROTOCOL_ERROR, f"expected a text/event-stream reply, got {got}")
             readline = resp.readline
             lines, times = ex.lines, ex.times
             perf = time.perf_counter
@@ -106,6 +109,10 @@ class StreamingClient:
                 t = perf()
                 if not line:
                     break
+                if keep_from is not None:
+                    cut = line.rfind(keep_from)
+                    if cut > 0:
+                        line = line[cut:]
                 lines.append(line)
                 times.append(t)
             ex.t_end = times[-1] if times else perf()
@@ -113,18 +120,18 @@ class StreamingClient:
         except gevent.Timeout as e:
             if e is not deadline:
                 raise
-            ex.transport, ex.error = TIMEOUT, f"request took longer than timeout_s={self.timeout_s:g}"
-            ex.t_end = time.perf_counter()
-            self.close()
+            self._fail(ex, TIMEOUT, f"request took longer than timeout_s={self.timeout_s:g}")
         except TimeoutError:
-            ex.transport = TIMEOUT
-            ex.error = f"no data for idle_timeout_s={self._args['network_timeout']:g}"
-            ex.t_end = time.perf_counter()
-            self.close()
+            self._fail(ex, TIMEOUT, f"no data for idle_timeout_s={self._args['network_timeout']:g}")
         except (OSError, HTTPConnectionClosed, HTTPParseError) as e:
-            ex.transport, ex.error = DROPPED, f"connection lost mid-stream ({type(e).__name__}: {e})"
-            ex.t_end = time.perf_counter()
-            self.close()
+            self._fail(ex, DROPPED, f"connection lost mid-stream ({type(e).__name__}: {e})")
         finally:
             deadline.close()
+        return ex
+
+    def _fail(self, ex: Exchange, transport: str, error: str | None) -> Exchange:
+        """Ends an exchange that failed; the connection is dropped so the next request starts clean."""
+        ex.transport, ex.error = transport, error
+        ex.t_end = time.perf_counter()
+        self.close()
         return ex

@@ -30,6 +30,8 @@ request got. Cases (see ``CASES``):
   drop        3 events, then the socket is closed without the chunked terminator
   stall       3 events, then silence for 30 s (then the connection is closed)
   garbage     a non-JSON data line after 2 events, then the rest of the stream
+  badshape    valid JSON of the wrong shape after 2 events (choices: ["x"], meta_info: "x")
+  notsse      HTTP 200 with a plain JSON body instead of an event stream
   nousage     OpenAI paths: no usage anywhere, whatever stream_options asks (native: like normal)
 
 The log (``--log``) gets one JSON line per request, flushed when the request ends:
@@ -70,6 +72,8 @@ CASES = (
     "drop",
     "stall",
     "garbage",
+    "badshape",
+    "notsse",
     "nousage",
 )
 STALL_S = 30.0
@@ -166,6 +170,9 @@ class Server:
             await self._send_simple(
                 writer, 400, {"error": {"message": "body is not a JSON object"}}, keep_alive
             )
+            return keep_alive
+        if case == "notsse":
+            await self._send_simple(writer, 200, {"text": "not a stream", "meta_info": {}}, keep_alive)
             return keep_alive
         return await Exchange(self, case, api[path], req, reader, writer).run(keep_alive)
 
@@ -360,9 +367,10 @@ class Exchange:
             if k == FAIL_AFTER and case in ("error_event", "abort", "drop", "stall"):
                 await self.sleep_until(due)
                 return await self.fail(keep_alive, done)
-            if k == GARBAGE_AFTER and case == "garbage":
+            if k == GARBAGE_AFTER and case in ("garbage", "badshape"):
                 await self.sleep_until(due - gap / 2)
-                if not self.write(_chunk(self.sse(b"this is not json {"))):
+                bad = b"this is not json {" if case == "garbage" else b'{"choices":["x"],"meta_info":"x"}'
+                if not self.write(_chunk(self.sse(bad))):
                     return False
             last = k == len(plan) - 1
             payload = self.events(done, n_tok, last)

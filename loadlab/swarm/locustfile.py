@@ -7,26 +7,25 @@ Locust on this file) run exactly this code.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from pathlib import Path
 
 import gevent
 from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadlab.profile import ProfileError, load_profile
+from loadlab.profile import EXIT_BAD_INPUT, ProfileError, load_profile
 from loadlab.swarm.options import add_loadlab_arguments, overrides_from_options
 from loadlab.swarm.run import Run
 from loadlab.swarm.users import SGLangUser
-from loadlab.target import EmbeddedServer, TargetError, probe
+from loadlab.target import EXIT_TARGET, EmbeddedServer, TargetError, probe
 from loadlab.workload import build_workload
 from loadlab.workload.text import Renderer
 
 __all__ = ["SGLangUser"]
 
 log = logging.getLogger("loadlab")
-
-EXIT_BAD_INPUT = 2
-EXIT_TARGET = 3
 
 
 @events.init_command_line_parser.add_listener
@@ -40,11 +39,14 @@ def _fail(message: str, status: int) -> None:
 
 
 class _Session:
-    """What init prepares for every run of this process: the profile and the target."""
+    """What init prepares for every run of this process: the profile, the workload and the target."""
 
     def __init__(self, environment):
         opts = environment.parsed_options
         self.environment = environment
+        if opts.num_users is not None and opts.num_users < 1:
+            raise ProfileError(f"-u/--users: must be at least 1 (got {opts.num_users})")
+        _check_out_dir(opts.out)
         self.profile_path = opts.profile_file
         self.profile = load_profile(self.profile_path, overrides_from_options(opts, environment.host))
         self.workload = build_workload(self.profile)
@@ -57,17 +59,10 @@ class _Session:
         else:
             environment.host = target.url
         try:
-            found = probe(environment.host, need_model=target.api != "generate" and not target.model)
+            self.use_target(environment.host)
         except TargetError:
             self.stop_embedded()
             raise
-        self.model = target.model or found["model"]
-        self.target_info = {
-            "url": environment.host,
-            "embedded": self.embedded is not None,
-            "embedded_settings": target.embedded if self.embedded else None,
-            "server_info": found["server_info"],
-        }
         # The profile's concurrency applies unless Locust's -u was given.
         if opts.num_users is None:
             opts.num_users = self.profile.load.concurrency
@@ -75,9 +70,30 @@ class _Session:
             opts.spawn_rate = max(1, opts.num_users)  # all users within about a second
         self.run: Run | None = None
 
+    def use_target(self, url: str) -> None:
+        """Probes the target and remembers who it is (again when the web UI's Host field changes it)."""
+        target = self.profile.target
+        found = probe(url, need_model=target.api != "generate" and not target.model)
+        self.model = target.model or found["model"]
+        self.target_info = {
+            "url": url,
+            "embedded": self.embedded is not None and url == self.embedded.url,
+            "embedded_settings": target.embedded if self.embedded else None,
+            "server_info": found["server_info"],
+        }
+
     def stop_embedded(self) -> None:
         if self.embedded is not None:
             self.embedded.stop()
+
+
+def _check_out_dir(out: str) -> None:
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ProfileError(f"--out {out}: cannot create the directory ({e.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise ProfileError(f"--out {out}: the directory is not writable")
 
 
 @events.init.add_listener
@@ -95,18 +111,27 @@ def _on_init(environment, runner, **_kw):
 @events.test_start.add_listener
 def _on_test_start(environment, **_kw):
     session = environment.loadlab_session
-    run = Run(
-        session.profile,
-        session.profile_path,
-        session.workload,
-        session.renderer,
-        environment.parsed_options.out,
-        environment.parsed_options.run_name,
-        session.target_info,
-        session.model,
-        environment.runner.target_user_count or environment.parsed_options.num_users,
-        sys.argv,
-    )
+    opts = environment.parsed_options
+    try:
+        if environment.host != session.target_info["url"]:  # changed in the web UI
+            session.use_target(environment.host)
+        run = Run(
+            session.profile,
+            session.profile_path,
+            session.workload,
+            session.renderer,
+            opts.out,
+            opts.run_name,
+            session.target_info,
+            session.model,
+            environment.runner.target_user_count or opts.num_users,
+            sys.argv,
+        )
+    except (TargetError, OSError) as e:
+        log.error("loadlab: cannot start the run: %s", e)
+        session.run = environment.loadlab_run = None
+        gevent.spawn(_end, environment)
+        return
     session.run = environment.loadlab_run = run
     log.info("loadlab: run directory %s", run.dir)
     gevent.spawn(_stop_when_done, environment, run)
@@ -117,7 +142,7 @@ PROGRESS_EVERY_S = 10.0
 
 
 def _show_progress(run: Run) -> None:
-    """A progress line every few seconds on long runs: phase, counts, failures, ETA."""
+    """A progress line every few seconds on long runs: phase, counts, failures, time to go."""
     while not run.tickets.all_done.wait(PROGRESS_EVERY_S):
         if run.finalized:
             return
@@ -127,6 +152,10 @@ def _show_progress(run: Run) -> None:
 def _stop_when_done(environment, run: Run) -> None:
     """Ends the run by itself once every measured request has finished (no -t needed)."""
     run.tickets.all_done.wait()
+    _end(environment)
+
+
+def _end(environment) -> None:
     if environment.parsed_options.headless:
         environment.runner.quit()
     else:
@@ -145,6 +174,10 @@ def _on_quitting(environment, **_kw):
     session = getattr(environment, "loadlab_session", None)
     if session is None:
         return
+    # Locust fires quitting before it stops the users (Ctrl-C, SIGTERM): stop them first, so in-flight
+    # requests are recorded as cancelled and test_stop finalizes the run with every record in it.
+    if environment.runner is not None:
+        environment.runner.stop()
     run = session.run
     if run is not None:
         run.finalize()

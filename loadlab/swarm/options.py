@@ -37,10 +37,11 @@ def _non_negative_int(text: str) -> int:
 def add_loadlab_arguments(parser, *, locust: bool) -> None:
     """Adds loadlab's options. Under Locust they also appear in the web UI and take LOADLAB_* env vars."""
 
-    def add(*names, ui=True, **kw):
+    def add(*names, **kw):
         if locust:
             kw["env_var"] = "LOADLAB_" + names[0].lstrip("-").replace("-", "_").upper()
-            kw["include_in_web_ui"] = ui
+            # The profile is resolved once at startup; the web UI's form sets only users and host.
+            kw["include_in_web_ui"] = False
         parser.add_argument(*names, **kw)
 
     if locust:
@@ -66,7 +67,6 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
         action="append",
         default=None,
         metavar="KEY=VALUE",
-        ui=False,
         help="override any profile key, e.g. --set workload.zipf_s=1.3 (repeatable)",
     )
 

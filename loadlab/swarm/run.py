@@ -12,6 +12,7 @@ import platform
 import socket
 import sys
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,11 @@ class Run:
         self.workload = workload
         self.renderer = renderer
         self.tickets = Tickets(profile.requests.warmup, profile.requests.measured)
-        self.dir = _unique_dir(Path(out_root) / (run_name or default_run_name(profile.name)))
+        self.dir = Path(out_root) / unique_run_name(out_root, run_name or default_run_name(profile.name))
+        self.dir.mkdir(parents=True)
         self.run_id = self.dir.name
+        # SGLang keys requests by rid: a random part keeps two load generators started alike apart.
+        self.rid_prefix = f"{self.run_id}-{uuid.uuid4().hex[:8]}"
         self.writer = RecordWriter(self.dir)
         self.worker_id = f"{socket.gethostname()}:{_pid()}"
         self.outcomes: dict[str, int] = {}
@@ -118,6 +122,9 @@ class Run:
         write_manifest(self.dir, self.manifest)
 
     def record(self, rec) -> None:
+        if self.finalized:  # cannot happen when the run is stopped before it is finalized; say so if it does
+            log.error("loadlab: request %d ended after the run was finalized; not in the records", rec.index)
+            return
         self.writer.write(rec)
         self.outcomes[rec.outcome] = self.outcomes.get(rec.outcome, 0) + 1
         self.tickets.finished(rec.phase)
@@ -178,12 +185,12 @@ def default_run_name(profile_name: str) -> str:
     return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{profile_name}"
 
 
-def _unique_dir(path: Path) -> Path:
-    candidate, n = path, 1
-    while candidate.exists():
+def unique_run_name(out_root: str | Path, name: str) -> str:
+    """``name``, or ``name-2``, ``name-3``... if a run directory of that name already exists."""
+    candidate, n = name, 1
+    while (Path(out_root) / candidate).exists():
         n += 1
-        candidate = path.with_name(f"{path.name}-{n}")
-    candidate.mkdir(parents=True)
+        candidate = f"{name}-{n}"
     return candidate
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 
 from gevent import GreenletExit, idle
 from gevent.lock import Semaphore
@@ -11,9 +13,10 @@ from locust.exception import StopUser
 
 from loadlab.client.request import new_exchange, send, to_record
 from loadlab.client.stream import StreamingClient
-from loadlab.records import OK, WARMUP
+from loadlab.records import CLIENT_ERROR, OK, WARMUP, RequestRecord
 
 CONNECT_TIMEOUT_S = 10.0
+log = logging.getLogger("loadlab")
 _user_ids = itertools.count()
 
 # The CPU work around a request (making the next spec, decoding a finished stream, writing its record,
@@ -46,27 +49,53 @@ class SGLangUser(User):
         if ticket is None:
             raise StopUser()
         index, phase = ticket
-        with _cpu_lane:
-            idle()
-            spec = run.workload.spec(index)
-        ex = new_exchange()
-        try:
-            send(self.client, run.api, spec, run.renderer, run.model, f"{run.run_id}-{index}", ex)
-        except GreenletExit:
-            # The run is stopping (-t ran out, or the user pressed stop): keep what was received.
-            run.record(to_record(ex, run.api, spec, phase, run.worker_id, self.user_id, cancelled=True))
-            raise
-        rec = None
+        spec = ex = rec = None
         try:
             with _cpu_lane:
                 idle()
-                rec = to_record(ex, run.api, spec, phase, run.worker_id, self.user_id)
-                run.record(rec)
+                spec = run.workload.spec(index)
+            ex = new_exchange()
+            try:
+                send(self.client, run.api, spec, run.renderer, run.model, f"{run.rid_prefix}-{index}", ex)
+            except GreenletExit:
+                # The run is stopping (-t ran out, Ctrl-C, Stop in the UI): keep what was received.
+                rec = self._to_record(ex, spec, phase, cancelled=True)
+                raise
+            with _cpu_lane:
+                idle()
+                rec = self._to_record(ex, spec, phase)
                 self._feed_live_stats(rec)
         except GreenletExit:
-            if rec is None:  # the stream had ended before the run stopped: record it as it ended
-                run.record(to_record(ex, run.api, spec, phase, run.worker_id, self.user_id))
+            if ex is not None and rec is None:  # the stream had ended; only its bookkeeping was pending
+                rec = self._to_record(ex, spec, phase)
             raise
+        except Exception as e:  # a loadlab bug must cost one request, visibly, never the run
+            log.exception("loadlab: request %d failed inside loadlab", index)
+            rec = rec or self._error_record(index, phase, spec, ex, e)
+        finally:
+            # Every ticket ends with a record (or, if never sent, at least ends), so the run cannot hang.
+            if rec is not None:
+                run.record(rec)
+            else:
+                run.tickets.finished(phase)
+
+    def _to_record(self, ex, spec, phase: str, cancelled: bool = False):
+        run = self.run
+        try:
+            return to_record(ex, run.api, spec, phase, run.worker_id, self.user_id, cancelled=cancelled)
+        except Exception as e:
+            log.exception("loadlab: could not decode the reply to request %d", spec.index)
+            return self._error_record(spec.index, phase, spec, ex, e)
+
+    def _error_record(self, index: int, phase: str, spec, ex, error: Exception):
+        run = self.run
+        return RequestRecord(
+            index=index, phase=phase, api=run.api, worker_id=run.worker_id, user_id=self.user_id,
+            t_send_wall=ex.t_send_wall if ex is not None else time.time(),
+            input_len=spec.input_len if spec is not None else 0,
+            max_new_tokens=spec.max_new_tokens if spec is not None else 0,
+            outcome=CLIENT_ERROR, error=f"loadlab failed on this request: {error!r}",
+        )  # fmt: skip
 
     def _feed_live_stats(self, rec) -> None:
         """Locust's statistics are a live view only; reports come from the records."""
