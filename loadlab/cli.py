@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from loadlab.profile import CLI_OVERRIDES, EXIT_BAD_INPUT, ProfileError, load_profile
-from loadlab.swarm.options import add_loadlab_arguments, overrides_from_options
+from loadlab.swarm.options import add_loadlab_arguments, check_load_model, overrides_from_options
 
 LOCUSTFILE = Path(__file__).parent / "swarm" / "locustfile.py"
 
@@ -77,6 +77,7 @@ def _cmd_run(args) -> int:
     from loadlab.workload.text import Renderer
 
     profile = load_profile(args.profile, overrides_from_options(args, args.host))
+    check_load_model(profile, args.profile)
     build_workload(profile)
     Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
     out = Path(args.out)

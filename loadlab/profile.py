@@ -70,8 +70,22 @@ def url_problem(url: str) -> str | None:
 
 
 class Load(_Strict):
-    model: Literal["closed"] = "closed"  # closed loop: `concurrency` requests always in flight
-    concurrency: PositiveInt = 8
+    # closed: `concurrency` requests always in flight. open: requests arrive at `rate` per second
+    # whatever the server does (bench_serving's --request-rate), optionally capped at `concurrency`.
+    model: Literal["closed", "open"] = "closed"
+    concurrency: PositiveInt | None = 8
+    rate: float | None = Field(None, gt=0, description="open loop: requests per second")
+    arrival: Literal["poisson", "constant"] = "poisson"
+
+    @model_validator(mode="after")
+    def _model_fields(self):
+        if self.model == "open" and self.rate is None:
+            raise ValueError("an open-loop load needs rate (requests per second)")
+        if self.model == "closed" and self.concurrency is None:
+            raise ValueError("a closed-loop load needs concurrency")
+        if self.model == "closed" and self.rate is not None:
+            raise ValueError("rate applies to model: open only (closed loop holds concurrency in flight)")
+        return self
 
 
 class Requests(_Strict):

@@ -136,6 +136,12 @@ BAD = {
         ["target", "out of range"],
     ),
     "url with a query": (GOOD.replace("url: embedded", "url: http://h:1/?x=1"), 3, ["target", "query"]),
+    "open loop without rate": (GOOD.replace("  concurrency: 4", "  model: open"), 6, ["load", "needs rate"]),
+    "closed loop with rate": (
+        GOOD.replace("  concurrency: 4", "  concurrency: 4\n  rate: 3"),
+        6,
+        ["load", "rate applies"],
+    ),
     "invalid yaml": ("name: [unclosed\nseed: 1\n", 2, ["not valid YAML"]),
     "tab indentation yaml": ("name: t\n\tseed: 1\n", 2, ["not valid YAML"]),
     "empty file": ("", None, ["profile is empty"]),
@@ -225,6 +231,11 @@ def test_locust_entry_bad_profile_exits_2_before_load(tmp_path):
     bad = write(tmp_path, GOOD.replace("concurrency: 4", "concurrency: 0"))
     proc = _run(LOCUST + ["--profile-file", str(bad)])
     _assert_one_line_error(proc, str(bad), "load.concurrency")
+
+
+def test_locust_refuses_an_open_loop_profile_before_load(tmp_path):
+    bad = write(tmp_path, GOOD.replace("  concurrency: 4", "  model: open\n  rate: 5"))
+    _assert_one_line_error(_run(LOCUST + ["--profile-file", str(bad)]), "load.model", "closed loop only")
 
 
 def test_locust_zero_users_exits_2():

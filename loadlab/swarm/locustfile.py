@@ -16,7 +16,7 @@ from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
 from loadlab.profile import EXIT_BAD_INPUT, ProfileError, load_profile
-from loadlab.swarm.options import add_loadlab_arguments, overrides_from_options
+from loadlab.swarm.options import add_loadlab_arguments, check_load_model, overrides_from_options
 from loadlab.swarm.run import Run
 from loadlab.swarm.users import SGLangUser
 from loadlab.target import EXIT_TARGET, EmbeddedServer, TargetError, probe
@@ -49,6 +49,7 @@ class _Session:
         _check_out_dir(opts.out)
         self.profile_path = opts.profile_file
         self.profile = load_profile(self.profile_path, overrides_from_options(opts, environment.host))
+        check_load_model(self.profile, self.profile_path)
         self.workload = build_workload(self.profile)
         self.renderer = Renderer(self.profile.target.tokenizer)  # a bad tokenizer file fails here
         self.embedded: EmbeddedServer | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadlab.profile import APIS, CLI_OVERRIDES, parse_set_option
+from loadlab.profile import APIS, CLI_OVERRIDES, ProfileError, parse_set_option
 
 DEFAULT_PROFILE = "profiles/default.yaml"
 DEFAULT_OUT = "reports"
@@ -82,3 +82,12 @@ def overrides_from_options(options, host: str | None) -> dict[str, Any]:
         if value not in (None, ""):
             out[key] = value
     return out
+
+
+def check_load_model(profile, path) -> None:
+    """The Locust users hold a closed loop; an open-loop profile is refused before any load."""
+    if profile.load.model != "closed":
+        raise ProfileError(
+            f"{path}: load.model: the Locust users run closed loop only for now "
+            "(open-loop arrivals run in virtual time: loadlab sim --virtual)"
+        )
