@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import sys
 
+import openai
 import pytest
 
 from loadlab.target import ServerProcess
-
-openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
