@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args) -> int:
-    from loadlab.swarm.run import default_run_name, unique_run_name
+    from loadlab.records import default_run_name, unique_run_name
     from loadlab.workload import build_workload
     from loadlab.workload.text import Renderer
 

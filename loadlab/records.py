@@ -140,14 +140,14 @@ def write_parquet(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     rows = read_jsonl_records(run_dir / RECORDS_JSONL) if (run_dir / RECORDS_JSONL).exists() else []
     columns = {name: [row.get(name) for row in rows] for name in RECORD_FIELDS}
-    table = pa.table({name: pa.array(values, type=_arrow_types()[name]) for name, values in columns.items()})
+    table = pa.table({name: pa.array(values, type=arrow_types()[name]) for name, values in columns.items()})
     out = run_dir / RECORDS_PARQUET
     pq.write_table(table, out)
     return out
 
 
 @functools.cache
-def _arrow_types() -> dict[str, Any]:
+def arrow_types() -> dict[str, Any]:
     import pyarrow as pa
 
     types = {
@@ -194,3 +194,19 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
     return json.loads(path.read_text())
+
+
+def default_run_name(profile_name: str, suffix: str = "") -> str:
+    """``YYYYmmdd-HHMMSS-<profile>[suffix]``: the run directory name when none is given."""
+    from datetime import datetime
+
+    return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{profile_name}{suffix}"
+
+
+def unique_run_name(out_root: str | Path, name: str) -> str:
+    """``name``, or ``name-2``, ``name-3``... if a run directory of that name already exists."""
+    candidate, n = name, 1
+    while (Path(out_root) / candidate).exists():
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate

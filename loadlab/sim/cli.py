@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadlab.sim import READY_PREFIX
+from loadlab.sim.cost import GPUS, MODELS
 
 PROG = "loadlab sim"
 
@@ -46,8 +47,18 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("host", "str", "127.0.0.1", "address to listen on", embedded=False),
     Setting("port", "int", 30000, "port to listen on (0: any free port)", 0, 65535, embedded=False),
+    Setting("gpu", "str", "a100-80gb", "GPU preset of the cost model", choices=tuple(GPUS)),
+    Setting("model", "str", "llama-3.1-8b", "model preset of the cost model", choices=tuple(MODELS)),
     Setting(
-        "model_path", "str", "meta-llama/Llama-3.1-8B-Instruct", "model name to report (nothing is loaded)"
+        "tp_size",
+        "int",
+        None,
+        "tensor parallel size (default: the model preset's, 1 for 8B, 4 for 70B)",
+        1,
+        aliases=("--tensor-parallel-size",),
+    ),
+    Setting(
+        "model_path", "str", None, "model name to report, nothing is loaded (default: the --model preset's)"
     ),
     Setting(
         "served_model_name", "str", None, "model name in responses and /v1/models (default: --model-path)"
@@ -59,7 +70,7 @@ SETTINGS: tuple[Setting, ...] = (
         "local tokenizer.json for prompt text (default: one whitespace-separated word = one token)",
         aliases=("--tokenizer-path",),
     ),
-    Setting("context_length", "int", 131072, "the model's context length in tokens", 2),
+    Setting("context_length", "int", None, "the model's context length in tokens (default: the preset's)", 2),
     Setting("max_running_requests", "int", None, "most requests running at once (default: SGLang's rule)", 1),
     Setting(
         "max_queued_requests", "int", None, "most requests waiting; more get HTTP 503 (default: no limit)", 1
@@ -83,6 +94,14 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("fcfs", "lpm"),
     ),  # fmt: skip
     Setting("disable_radix_cache", "bool", False, "turn the prefix cache off"),
+    Setting(
+        "schedule_conservativeness",
+        "float",
+        1.0,
+        "scales the initial new_token_ratio (admission optimism)",
+        0.0,
+    ),
+    Setting("enable_mixed_chunk", "bool", False, "run prefill chunks together with the decode batch"),
     Setting(
         "mem_fraction_static", "float", None, "GPU memory fraction for weights + KV (default 0.88)", 0.0, 1.0
     ),
@@ -159,15 +178,48 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+VIRTUAL_OPTIONS = ("out", "run_name", "concurrency", "rate", "arrival", "num_requests", "warmup_requests")
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """The command line. ``suppress_defaults``: leave unset flags out of the namespace (to tell which
+    settings were given explicitly)."""
     p = _Parser(
         prog=PROG,
-        description="Simulated SGLang server (continuous batching, prefix cache, SGLang's wire protocol). "
-        "Flags use SGLang's launch-flag names. Prints 'loadlab-sim listening on http://HOST:PORT' when ready.",
+        description="Simulated SGLang server (SGLang's scheduler on a GPU cost model, prefix cache, SGLang's "
+        "wire protocol). Flags use SGLang's launch-flag names. Prints 'loadlab-sim listening on "
+        "http://HOST:PORT' when ready. With --virtual PROFILE it runs the profile against the twin in "
+        "virtual time instead and prints the run directory.",
     )
     for s in SETTINGS:
+        default = argparse.SUPPRESS if suppress_defaults else s.default
         if s.kind == "bool":
-            p.add_argument(s.flag, *s.aliases, dest=s.name, action="store_true", help=s.help)
+            p.add_argument(s.flag, *s.aliases, dest=s.name, action="store_true", help=s.help,
+                           default=argparse.SUPPRESS if suppress_defaults else False)  # fmt: skip
         else:
             default_note = "" if s.default is None else f" (default: {s.default})"
             p.add_argument(
@@ -175,10 +227,29 @@ def build_parser() -> argparse.ArgumentParser:
                 *s.aliases,
                 dest=s.name,
                 type=_arg_type(s),
-                default=s.default,
+                default=default,
                 metavar=s.kind.upper() if not s.choices else "{" + ",".join(s.choices) + "}",
                 help=s.help + default_note,
             )
+    v = p.add_argument_group("virtual time (loadlab sim --virtual PROFILE)")
+    v.add_argument("--virtual", metavar="PROFILE", default=None,
+                   help="run PROFILE against the twin on a simulated clock; writes a run directory")  # fmt: skip
+    v.add_argument(
+        "--out", metavar="DIR", default=None, help="directory that receives the run directory (reports)"
+    )
+    v.add_argument(
+        "--run-name", metavar="NAME", default=None, help="run directory name (default: time-profile-virtual)"
+    )
+    load = v.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency", type=_positive(int), default=None, help="closed loop: requests held in flight"
+    )
+    load.add_argument("--rate", type=_positive(float), default=None, help="open loop: requests per second")
+    v.add_argument(
+        "--arrival", choices=("poisson", "constant"), default=None, help="open-loop arrival process"
+    )
+    v.add_argument("--num-requests", type=_positive(int), default=None, help="measured requests")
+    v.add_argument("--warmup-requests", type=_non_negative_int, default=None, help="warm-up requests")
     return p
 
 
@@ -225,18 +296,30 @@ def settings_to_argv(settings: dict) -> list[str]:
     return argv
 
 
-def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Every server argument with defaults resolved, under SGLang's names (what /server_info shows)."""
-    from loadlab.sim.engine import DEFAULT_MEM_FRACTION_STATIC, default_max_running_requests, kv_tokens_for
+def resolve_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
+    """Every server argument with defaults resolved, under SGLang's names (what /server_info shows).
 
-    s = {st.name: getattr(args, st.name) for st in SETTINGS}
+    ``args`` is the parsed command line, or a mapping of settings (missing ones take their defaults).
+    Raises ValueError for a combination that cannot work (weights that leave no room for the KV cache)."""
+    from loadlab.sim.cost import DEFAULT_MEM_FRACTION_STATIC, CostModel, default_max_running_requests
+
+    if isinstance(args, dict):
+        s = {st.name: args.get(st.name, st.default) for st in SETTINGS}
+    else:
+        s = {st.name: getattr(args, st.name) for st in SETTINGS}
+    cost = CostModel(s["gpu"], s["model"], s["tp_size"])
+    s["tp_size"] = cost.tp
     if s["mem_fraction_static"] is None:
         s["mem_fraction_static"] = DEFAULT_MEM_FRACTION_STATIC
-    kv = s["max_total_tokens"] or kv_tokens_for(s["mem_fraction_static"])
+    kv = s["max_total_tokens"] or cost.kv_tokens(s["mem_fraction_static"])
     if kv < 1:
         raise ValueError(
-            f"mem_fraction_static {s['mem_fraction_static']} leaves no memory for the KV cache (weights need more)"
+            f"mem_fraction_static {s['mem_fraction_static']} leaves no memory for the KV cache on "
+            f"{cost.gpu.key} ({cost.model.key} weights need {cost.weight_bytes_per_gpu / 2**30:.1f} GiB per GPU "
+            f"at tp_size {cost.tp})"
         )
+    s["model_path"] = s["model_path"] or cost.model.model_path
+    s["context_length"] = s["context_length"] or cost.model.context_length
     s["served_model_name"] = s["served_model_name"] or s["model_path"]
     s["tokenizer_path"] = s["tokenizer"] or s["model_path"]
     if s["max_running_requests"] is None:
@@ -244,35 +327,43 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     s.update(
         max_total_num_tokens=kv,
         max_req_input_len=min(s["context_length"] - 1, kv - 1),
-        tp_size=1,
         dp_size=1,
         page_size=1,
-        schedule_conservativeness=1.0,
-        enable_mixed_chunk=False,
         incremental_streaming_output=False,
         skip_server_warmup=True,
     )
     return s
 
 
+def engine_config(settings: dict[str, Any], record_token_times: bool = False):
+    """The engine/scheduler configuration for resolved settings."""
+    from loadlab.sim.engine import EngineConfig
+
+    return EngineConfig(
+        max_running_requests=settings["max_running_requests"],
+        max_queued_requests=settings["max_queued_requests"],
+        max_total_tokens=settings["max_total_num_tokens"],
+        chunked_prefill_size=settings["chunked_prefill_size"],
+        max_prefill_tokens=settings["max_prefill_tokens"],
+        schedule_policy=settings["schedule_policy"],
+        disable_radix_cache=settings["disable_radix_cache"],
+        stream_interval=settings["stream_interval"],
+        schedule_conservativeness=settings["schedule_conservativeness"],
+        enable_mixed_chunk=settings["enable_mixed_chunk"],
+        record_token_times=record_token_times,
+        gpu=settings["gpu"],
+        model=settings["model"],
+        tp_size=settings["tp_size"],
+    )
+
+
 async def _serve(settings: dict[str, Any], tokenizer) -> None:
     from aiohttp import web
 
-    from loadlab.sim.engine import Engine, EngineConfig
+    from loadlab.sim.engine import Engine
     from loadlab.sim.server import SimServer
 
-    engine = Engine(
-        EngineConfig(
-            max_running_requests=settings["max_running_requests"],
-            max_queued_requests=settings["max_queued_requests"],
-            max_total_tokens=settings["max_total_num_tokens"],
-            chunked_prefill_size=settings["chunked_prefill_size"],
-            max_prefill_tokens=settings["max_prefill_tokens"],
-            schedule_policy=settings["schedule_policy"],
-            disable_radix_cache=settings["disable_radix_cache"],
-            stream_interval=settings["stream_interval"],
-        )
-    )
+    engine = Engine(engine_config(settings))
     host, port = settings["host"], settings["port"]
     sock = socket.create_server((host, port), backlog=4096)
     sock.setblocking(False)
@@ -288,8 +379,9 @@ async def _serve(settings: dict[str, Any], tokenizer) -> None:
         sys.stdout.write(f"{READY_PREFIX}http://{shown}:{settings['port']}\n")
         sys.stdout.flush()
         logging.getLogger("loadlab.sim").info(
-            "serving %s: max_running_requests=%s max_total_num_tokens=%s radix_cache=%s",
+            "serving %s on %s: max_running_requests=%s max_total_num_tokens=%s radix_cache=%s",
             settings["served_model_name"],
+            engine.cost.name,
             settings["max_running_requests"],
             settings["max_total_num_tokens"],
             "off" if settings["disable_radix_cache"] else "on",
@@ -305,16 +397,25 @@ async def _serve(settings: dict[str, Any], tokenizer) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # bad flags (2) or --help (0); argparse has printed the message
         return e.code if isinstance(e.code, int) else 2
+    if args.virtual is None:
+        given = [o for o in VIRTUAL_OPTIONS if getattr(args, o) is not None]
+        if given:
+            flags = ", ".join("--" + o.replace("_", "-") for o in given)
+            print(f"{PROG}: error: {flags}: only with --virtual PROFILE (see --help)", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.virtual is not None:
+        return _main_virtual(args, argv)
     from loadlab.sim.tokenize import Tokenizer
 
     try:
@@ -330,4 +431,55 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def _main_virtual(args: argparse.Namespace, argv: list[str]) -> int:
+    """``loadlab sim --virtual PROFILE``: the profile's settings (``target.embedded``) with the flags given
+    on the command line on top; prints the run directory as the last line."""
+    from loadlab.profile import ProfileError, load_profile
+    from loadlab.sim.virtual import run_virtual
+
+    explicit = vars(build_parser(suppress_defaults=True).parse_args(argv))
+    overrides: dict[str, Any] = {}
+    if args.concurrency is not None:
+        overrides.update({"load.model": "closed", "load.concurrency": args.concurrency, "load.rate": None})
+    if args.rate is not None:
+        overrides.update({"load.model": "open", "load.rate": args.rate, "load.concurrency": None})
+    if args.arrival is not None:
+        overrides["load.arrival"] = args.arrival
+    if args.num_requests is not None:
+        overrides["requests.measured"] = args.num_requests
+    if args.warmup_requests is not None:
+        overrides["requests.warmup"] = args.warmup_requests
+    try:
+        profile = load_profile(args.virtual, overrides)
+    except ProfileError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    settings = dict(profile.target.embedded)
+    settings.update(
+        {k: v for k, v in explicit.items() if k in BY_NAME and k not in ("host", "port", "log_level")}
+    )
+    try:
+        run_dir = run_virtual(
+            profile, settings, args.out or "reports", args.run_name, profile_path=args.virtual,
+            command=["loadlab", "sim", *argv],
+        )  # fmt: skip
+    except (ValueError, ProfileError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    from loadlab.records import read_manifest
+
+    m = read_manifest(run_dir)
+    ok = m.get("counts", {}).get("outcomes", {}).get("ok", 0)
+    vs = m.get("virtual_stats", {})
+    print(
+        f"loadlab sim: virtual run complete: {ok} ok / {m.get('counts', {}).get('records', 0)} requests, "
+        f"{vs.get('virtual_duration_s', 0):.1f} s simulated in {vs.get('wall_s', 0):.2f} s; "
+        f"report {run_dir / 'summary.md'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    print(run_dir, flush=True)
     return 0

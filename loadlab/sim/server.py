@@ -18,8 +18,6 @@ from aiohttp import web
 
 from loadlab import __version__
 from loadlab.sim.engine import (
-    KV_BYTES_PER_TOKEN,
-    WEIGHT_BYTES,
     Engine,
     QueueFullError,
     RequestHandle,
@@ -168,6 +166,7 @@ class _Metrics:
         ("cached_tokens_total", "Number of cached prompt tokens."),
         ("num_aborted_requests_total", "Number of requests aborted."),
         ("evicted_tokens_total", "Number of tokens evicted from the prefix cache."),
+        ("num_retracted_requests_total", "Total number of retracted requests."),
     )
 
     def __init__(self, engine: Engine, model_name: str):
@@ -182,7 +181,8 @@ class _Metrics:
 
         class _EngineCollector:
             def collect(self):
-                s = dict(engine.stats(), new_token_ratio=1.0, num_retracted_reqs=0)
+                s = engine.stats()
+                s["num_retracted_requests_total"] = s["num_retractions_total"]
                 for name, doc in gauges:
                     g = GaugeMetricFamily(f"sglang:{name}", doc, labels=keys)
                     g.add_metric(values, s[name])
@@ -346,7 +346,7 @@ class SimServer:
             "weight_version": "default",
             "completion_tokens": ct,
             "cached_tokens": h.cached_tokens,
-            "num_retractions": 0,
+            "num_retractions": h.num_retractions,
         }
         if self.enable_metrics:
             fe = h.forward_entry_time
@@ -713,7 +713,8 @@ class SimServer:
 
     def server_info_dict(self) -> dict:
         st = self.engine.stats()
-        kv_gb = self.settings["max_total_num_tokens"] * KV_BYTES_PER_TOKEN / 2**30
+        cost = self.engine.cost
+        kv_gb = self.settings["max_total_num_tokens"] * cost.kv_bytes_per_token_per_gpu / 2**30
         info = dict(self.settings)
         info.update(
             version=SIM_VERSION,
@@ -722,7 +723,7 @@ class SimServer:
                 {
                     "last_gen_throughput": st["gen_throughput"],
                     "memory_usage": {
-                        "weight": round(WEIGHT_BYTES / 2**30, 2),
+                        "weight": round(cost.weight_bytes_per_gpu / 2**30, 2),
                         "kvcache": round(kv_gb, 2),
                         "token_capacity": self.settings["max_total_num_tokens"],
                         "graph": 0.0,
@@ -731,6 +732,8 @@ class SimServer:
                     "num_queue_reqs": st["num_queue_reqs"],
                     "token_usage": st["token_usage"],
                     "cache_hit_rate": st["cache_hit_rate"],
+                    "new_token_ratio": st["new_token_ratio"],
+                    "num_retractions_total": st["num_retractions_total"],
                 }
             ],
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -99,6 +100,10 @@ def _check_out_dir(out: str) -> None:
 
 @events.init.add_listener
 def _on_init(environment, runner, **_kw):
+    # Ctrl-C: raise KeyboardInterrupt in the main greenlet (Locust's shutdown path) from the hub, never
+    # inside whichever user greenlet happens to be running when the signal arrives.
+    main = gevent.getcurrent()
+    gevent.signal_handler(signal.SIGINT, lambda: main.throw(KeyboardInterrupt()))
     if isinstance(runner, MasterRunner | WorkerRunner):
         _fail("distributed mode (--master/--worker) is not supported yet; run one process", EXIT_BAD_INPUT)
     try:

@@ -13,7 +13,6 @@ import socket
 import sys
 import time
 import uuid
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,16 @@ from gevent.event import Event
 
 import loadlab
 from loadlab.profile import Profile
-from loadlab.records import MEASURE, OK, WARMUP, RecordWriter, write_manifest, write_parquet
+from loadlab.records import (
+    MEASURE,
+    OK,
+    WARMUP,
+    RecordWriter,
+    default_run_name,
+    unique_run_name,
+    write_manifest,
+    write_parquet,
+)
 
 log = logging.getLogger("loadlab")
 
@@ -179,19 +187,6 @@ class Run:
             flush=True,
         )
         return summary
-
-
-def default_run_name(profile_name: str) -> str:
-    return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{profile_name}"
-
-
-def unique_run_name(out_root: str | Path, name: str) -> str:
-    """``name``, or ``name-2``, ``name-3``... if a run directory of that name already exists."""
-    candidate, n = name, 1
-    while (Path(out_root) / candidate).exists():
-        n += 1
-        candidate = f"{name}-{n}"
-    return candidate
 
 
 def _pid() -> int:

@@ -1,0 +1,573 @@
+"""The twin in virtual time: the same scheduler as the server, on a simulated clock, with a client model.
+
+``run_virtual(profile, sim_settings, out_root)`` runs a profile's requests (``build_workload(profile)``,
+token ids = ``spec.input_ids``) against the twin and writes the same run directory a real run writes:
+``records.jsonl`` / ``records.parquet`` (one ``RequestRecord`` per request, times from the simulated
+clock), ``manifest.json`` (the keys ``loadlab run`` writes, plus ``"virtual": true``, the sim settings
+and ``virtual_stats``) and ``summary.json`` / ``summary.md``. ``loadlab report`` works on it unchanged.
+
+Client models (``profile.load``):
+
+- closed loop: ``concurrency`` requests in flight; a new one is sent the moment one finishes.
+- open loop: requests arrive at ``rate`` per second (Poisson or constant spacing, seeded from the profile
+  seed), whatever the server does; with an explicit ``concurrency`` at most that many are in flight
+  (later arrivals wait client-side, as bench_serving's ``--max-concurrency``; ``t_scheduled_wall`` is when
+  a send was due).
+
+Warm-up then measured, as a real run: indices ``0..warmup-1`` are warm-up; measured requests are sent only
+once every warm-up request has finished (the open-loop arrival clock starts again at that moment).
+
+Token events honour ``stream_interval`` as the server does: the first token at once, then one event per
+``stream_interval`` tokens, and the rest at the end. There is no network and no client overhead: a
+request's send time is its arrival time at the server.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import platform
+import random
+import sys
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import loadlab
+from loadlab.profile import Profile
+from loadlab.records import (
+    HTTP_ERROR,
+    MEASURE,
+    OK,
+    RECORD_FIELDS,
+    RECORDS_JSONL,
+    RECORDS_PARQUET,
+    WARMUP,
+    RequestRecord,
+    default_run_name,
+    unique_run_name,
+    write_manifest,
+)
+from loadlab.sim.scheduler import DONE, Iteration, QueueFullError, Request, RequestTooLargeError, Scheduler
+from loadlab.sim.tokenize import OUTPUT_IDS, output_start
+
+WORKER_ID = "virtual"
+_TICK = 2.0**-20  # virtual time is kept on a grid of ~0.95 us so that epoch + t and ms conversions are exact
+
+
+def _quantize(seconds: float) -> float:
+    """Rounds a duration to the virtual clock's grid (at least one tick). On the grid, every time below
+    2**22 s added to an integer epoch, and every difference times 1000, is exact in a double: a request
+    sent the moment another ends starts exactly at its end, as the records then show."""
+    return max(1, round(seconds / _TICK)) * _TICK
+
+
+def output_ids_for(prompt: list[int], max_new: int) -> list[int]:
+    """The ids the server would generate for ``prompt`` (the same deterministic output as over HTTP)."""
+    start = output_start(prompt)
+    reps = (start + max_new) // len(OUTPUT_IDS) + 1
+    return list((OUTPUT_IDS * reps)[start : start + max_new])
+
+
+def token_events(times, t_send: float, interval: int) -> tuple[list[float], list[int]]:
+    """(arrival_ms, arrival_tokens) of one request's events: tokens 1, 1 + I, 1 + 2I, ... and the last."""
+    n = len(times)
+    if n == 0:
+        return [], []
+    ms = (np.frombuffer(times, dtype=np.float64) if isinstance(times, array) else np.asarray(times)) - t_send
+    ms *= 1000.0
+    if interval <= 1:
+        return ms.tolist(), [1] * n
+    ks = list(range(0, n, interval))  # token indices (0-based) that end an event: 0, I, 2I, ...
+    if ks[-1] != n - 1:
+        ks.append(n - 1)
+    toks = [1] + [b - a for a, b in zip(ks, ks[1:], strict=False)]
+    return ms[ks].tolist(), toks
+
+
+def run_requests(
+    sched: Scheduler,
+    arrivals: list[tuple[float, Request]],
+    observe: Callable[[Iteration, Scheduler], None] | None = None,
+) -> float:
+    """Drives ``sched`` on a virtual clock until it is idle and every request has arrived: each request is
+    queued at its arrival time (arrivals during a pass wait for its end). ``observe(it, sched)`` sees each
+    pass after it is decided and before it completes. Returns the final time. (Tests and experiments.)"""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    i, n, t = 0, len(pending), 0.0
+    while True:
+        while i < n and pending[i][0] <= t:
+            sched.add_request(pending[i][1], pending[i][0])
+            i += 1
+        it = sched.next_iteration(t)
+        if it is None:
+            if i < n:
+                t = max(t, pending[i][0])
+                continue
+            return t
+        if observe is not None:
+            observe(it, sched)
+        end = t + _quantize(it.duration)
+        while i < n and pending[i][0] <= end:
+            sched.add_request(pending[i][1], pending[i][0])
+            i += 1
+        sched.complete(it, end)
+        t = end
+
+
+class _Spec:
+    """A request spec as the twin needs it (prompt as a list, the deterministic output ids)."""
+
+    __slots__ = ("input_len", "max_new_tokens", "output_ids", "prefix_group", "prompt")
+
+    def __init__(self, spec):
+        self.prompt = list(spec.input_ids)
+        self.input_len = len(self.prompt)
+        self.max_new_tokens = spec.max_new_tokens
+        self.prefix_group = spec.prefix_group
+        self.output_ids = output_ids_for(self.prompt, self.max_new_tokens)
+
+
+class _Specs:
+    """``build_workload(profile).spec(i)``, converted once and kept: a sweep that runs the same profile at
+    several settings generates each request only once per process."""
+
+    def __init__(self, profile: Profile):
+        from loadlab.workload import build_workload
+
+        self.workload = build_workload(profile)
+        self._cache: dict[int, _Spec] = {}
+
+    def get(self, index: int) -> _Spec:
+        s = self._cache.get(index)
+        if s is None:
+            s = self._cache[index] = _Spec(self.workload.spec(index))
+        return s
+
+
+_SPECS: dict[str, _Specs] = {}
+
+
+def _specs_for(profile: Profile) -> _Specs:
+    key = json.dumps([profile.seed, profile.workload.model_dump(mode="json")], sort_keys=True)
+    specs = _SPECS.get(key)
+    if specs is None:
+        while len(_SPECS) >= 4:
+            _SPECS.pop(next(iter(_SPECS)))
+        specs = _SPECS[key] = _Specs(profile)
+    return specs
+
+
+class _Client:
+    """Hands out (index, phase) tickets in order, warm-up first, with the warm-up barrier."""
+
+    def __init__(self, warmup: int, measured: int):
+        self.warmup = warmup
+        self.total = warmup + measured
+        self.next_index = 0
+        self.warmup_finished = 0
+        self.measured_finished = 0
+
+    @property
+    def barrier_open(self) -> bool:
+        return self.warmup_finished >= self.warmup
+
+    def take(self) -> tuple[int, str] | None:
+        """The next ticket, or None when all are handed out or the next is measured and warm-up runs."""
+        if self.next_index >= self.total:
+            return None
+        if self.next_index >= self.warmup and not self.barrier_open:
+            return None
+        i = self.next_index
+        self.next_index += 1
+        return i, (WARMUP if i < self.warmup else MEASURE)
+
+    def finished(self, phase: str) -> bool:
+        """Counts a finished request; True when this one opened the warm-up barrier."""
+        if phase == WARMUP:
+            self.warmup_finished += 1
+            return self.warmup_finished == self.warmup
+        self.measured_finished += 1
+        return False
+
+    @property
+    def done(self) -> bool:
+        return self.warmup_finished + self.measured_finished >= self.total
+
+
+class VirtualRun:
+    """One simulation: a scheduler, a workload and a client model, on a simulated clock."""
+
+    def __init__(
+        self, profile: Profile, settings: dict[str, Any], run_id: str = "virtual", epoch: float = 0.0
+    ):
+        from loadlab.sim.cli import engine_config
+        from loadlab.sim.cost import cost_model
+
+        self.profile = profile
+        self.settings = settings
+        cfg = engine_config(settings, record_token_times=True)
+        self.cost = cost_model(cfg.gpu, cfg.model, cfg.tp_size)
+        self.sched = Scheduler(cfg, self.cost)
+        self.specs = _specs_for(profile)
+        self.run_id = run_id
+        self.epoch = epoch
+        self.api = profile.target.api
+        self.interval = settings["stream_interval"]
+        load = profile.load
+        self.open_loop = load.model == "open"
+        self.rate = load.rate
+        self.arrival = load.arrival
+        if self.open_loop:
+            self.cap = load.concurrency if "concurrency" in load.model_fields_set else None
+        else:
+            self.cap = load.concurrency
+        self.client = _Client(profile.requests.warmup, profile.requests.measured)
+        self.rng = random.Random(f"loadlab-virtual-arrivals-{profile.seed}")
+        self.records: list[RequestRecord] = []
+        self.outcomes: dict[str, int] = {}
+        self.queue_delays_ms: list[float] = []
+        self.in_flight = 0
+        self._heap: list[tuple[float, int, int, str, float | None]] = []  # (send, seq, index, phase, due)
+        self._seq = 0
+        # Open loop over the concurrency cap: (index, phase, due) waiting client-side.
+        self._waiting_sends: deque[tuple[int, str, float]] = deque()
+        self._free_slots: list[int] = []
+        self._slot_of: dict[int, int] = {}
+        self._next_due = 0.0
+        self.t = 0.0
+        self.measure_start: float | None = None
+
+    # -- the client ---------------------------------------------------------------------------------------
+    def _push(self, t: float, index: int, phase: str, due: float | None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, index, phase, due))
+
+    def _gap(self) -> float:
+        if self.arrival == "constant":
+            return 1.0 / self.rate
+        return self.rng.expovariate(self.rate)
+
+    def _schedule_open(self, now: float) -> None:
+        """Open loop: every ticket available now gets an arrival time on the arrival clock."""
+        while True:
+            ticket = self.client.take()
+            if ticket is None:
+                return
+            index, phase = ticket
+            due = self._next_due
+            self._next_due = due + _quantize(self._gap())
+            self._push(max(due, now), index, phase, due)
+
+    def start(self) -> None:
+        if self.client.warmup == 0:
+            self.measure_start = 0.0
+        if self.open_loop:
+            self._next_due = 0.0
+            self._schedule_open(0.0)
+        else:
+            self._free_slots = list(range(self.cap or 1))[::-1]
+            self._fill_slots(0.0)
+
+    def _fill_slots(self, now: float) -> None:
+        while self._free_slots:
+            ticket = self.client.take()
+            if ticket is None:
+                return
+            slot = self._free_slots.pop()
+            self._slot_of[ticket[0]] = slot
+            self._push(now, ticket[0], ticket[1], None)
+
+    def _send(self, t: float, index: int, phase: str, due: float | None) -> None:
+        if self.open_loop and self.cap is not None and self.in_flight >= self.cap:
+            self._waiting_sends.append((index, phase, due if due is not None else t))
+            return
+        spec = self.specs.get(index)
+        req = Request(
+            f"{self.run_id}-{index}",
+            spec.prompt,
+            spec.max_new_tokens,
+            output_ids=spec.output_ids,
+            stream_interval=self.interval,
+        )
+        req.handle = (index, phase, t, due, spec)
+        try:
+            self.sched.add_request(req, t)
+        except (QueueFullError, RequestTooLargeError) as e:
+            status = 503 if isinstance(e, QueueFullError) else 400
+            self._record_failure(index, phase, t, due, spec, status, str(e))
+            self._on_done(t, index, phase)
+            return
+        self.in_flight += 1
+
+    def _on_done(self, t: float, index: int, phase: str) -> None:
+        opened = self.client.finished(phase)
+        if opened:
+            self.measure_start = t
+            self.sched.peak_used_tokens = self.sched.used_tokens
+        if self.open_loop:
+            if self._waiting_sends and (self.cap is None or self.in_flight < self.cap):
+                i, ph, due = self._waiting_sends.popleft()
+                self._push(t, i, ph, due)
+            if opened:
+                self._next_due = t
+            self._schedule_open(t)
+        else:
+            slot = self._slot_of.pop(index, 0)
+            self._free_slots.append(slot)
+            self._fill_slots(t)
+
+    # -- records ------------------------------------------------------------------------------------------
+    def _write(self, rec: RequestRecord) -> None:
+        self.outcomes[rec.outcome] = self.outcomes.get(rec.outcome, 0) + 1
+        self.records.append(rec)
+
+    def _record_failure(self, index, phase, t, due, spec, status: int, message: str) -> None:
+        self._write(
+            RequestRecord(
+                index=index,
+                phase=phase,
+                api=self.api,
+                worker_id=WORKER_ID,
+                user_id=self._slot_of.get(index, 0),
+                t_send_wall=self.epoch + t,
+                outcome=HTTP_ERROR,
+                error=f"HTTP {status}: {message}",
+                http_status=status,
+                e2e_ms=0.0,
+                input_len=spec.input_len,
+                max_new_tokens=spec.max_new_tokens,
+                prefix_group=spec.prefix_group,
+                t_scheduled_wall=None if due is None else self.epoch + due,
+            )
+        )
+
+    def _record(self, r: Request) -> None:
+        index, phase, t_send, due, spec = r.handle
+        times = r.times if r.times is not None else []
+        ms, toks = token_events(times, t_send, self.interval)
+        if r.forward_entry_time is not None and phase == MEASURE:
+            self.queue_delays_ms.append((r.forward_entry_time - t_send) * 1000.0)
+        self._write(
+            RequestRecord(
+                index=index,
+                phase=phase,
+                api=self.api,
+                worker_id=WORKER_ID,
+                user_id=self._slot_of.get(index, 0),
+                t_send_wall=self.epoch + t_send,
+                outcome=OK,
+                http_status=200,
+                server_id=r.rid,
+                ttft_ms=ms[0] if ms else None,
+                e2e_ms=(r.finished_time - t_send) * 1000.0,
+                arrival_ms=ms,
+                arrival_tokens=toks,
+                input_len=spec.input_len,
+                max_new_tokens=spec.max_new_tokens,
+                prompt_tokens=r.prompt_len,
+                output_tokens=r.gen,
+                cached_tokens=r.cached_tokens,
+                num_retractions=r.num_retractions,
+                finish_reason="length",
+                prefix_group=spec.prefix_group,
+                t_scheduled_wall=None if due is None else self.epoch + due,
+            )
+        )
+
+    # -- the clock ------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        sched = self.sched
+        heap = self._heap
+        self.start()
+        t = 0.0
+        while True:
+            while heap and heap[0][0] <= t:
+                send, _, index, phase, due = heapq.heappop(heap)
+                self._send(send, index, phase, due)
+            it = sched.next_iteration(t)
+            if it is None:
+                if heap:
+                    t = heap[0][0]
+                    continue
+                if self.client.done and not self._waiting_sends:
+                    break
+                raise RuntimeError("virtual run stalled: requests remain but nothing can run")
+            end = t + _quantize(it.duration)
+            while heap and heap[0][0] <= end:  # arrivals during the pass wait in the queue
+                send, _, index, phase, due = heapq.heappop(heap)
+                self._send(send, index, phase, due)
+            sched.complete(it, end)
+            for r in it.finished:
+                self.in_flight -= 1
+                if r.state == DONE:
+                    self._record(r)
+                index, phase = r.handle[0], r.handle[1]
+                self._on_done(end, index, phase)
+            t = end
+        self.t = t
+
+    def stats(self) -> dict[str, Any]:
+        s = self.sched.stats()
+        total = s["max_total_num_tokens"]
+        delays = self.queue_delays_ms
+        peak = self.sched.peak_used_tokens if self.measure_start is not None else None
+        return {
+            "virtual_duration_s": self.t,
+            "measure_start_s": self.measure_start,
+            "forward_passes": s["forward_passes"],
+            "num_retractions_total": s["num_retractions_total"],
+            "evicted_tokens_total": s["evicted_tokens_total"],
+            "peak_used_tokens_measured": peak,
+            "peak_token_usage_measured": peak / total if total and peak is not None else None,
+            "mean_queue_delay_ms": sum(delays) / len(delays) if delays else None,
+            "max_total_num_tokens": total,
+            "cost_model": self.cost.name,
+        }
+
+
+def write_records(run_dir: Path, records: list[RequestRecord]) -> None:
+    """records.jsonl and records.parquet, as ``RecordWriter`` and ``write_parquet`` write them (in one go:
+    a virtual run has nothing to lose to a crash)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from loadlab.records import arrow_types
+
+    with open(run_dir / RECORDS_JSONL, "wb") as f:
+        f.write(b"".join(r.to_json_line() for r in records))
+    types = arrow_types()
+    columns = {}
+    for name in RECORD_FIELDS:
+        values = [getattr(r, name) for r in records]
+        if name in ("arrival_ms", "arrival_tokens"):  # list columns: flat values + offsets (fast)
+            offsets = np.zeros(len(values) + 1, dtype=np.int32)
+            np.cumsum([len(v) for v in values], out=offsets[1:])
+            flat = np.fromiter(
+                itertools.chain.from_iterable(values), dtype=np.float64, count=int(offsets[-1])
+            )
+            kind = types[name].value_type
+            columns[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat).cast(kind))
+        else:
+            columns[name] = pa.array(values, type=types[name])
+    table = pa.table(columns)
+    pq.write_table(table, run_dir / RECORDS_PARQUET)
+
+
+def describe_load(profile: Profile) -> dict[str, Any]:
+    load = profile.load
+    if load.model == "open":
+        cap = load.concurrency if "concurrency" in load.model_fields_set else None
+        text = f"open loop, {load.rate:g} req/s ({load.arrival})"
+        if cap is not None:
+            text += f", at most {cap} in flight"
+        return {"model": "open", "concurrency": cap, "rate": load.rate, "arrival": load.arrival,
+                "description": text + " (virtual time)"}  # fmt: skip
+    return {"model": "closed", "concurrency": load.concurrency, "rate": None,
+            "description": f"closed loop, {load.concurrency} in flight (virtual time)"}  # fmt: skip
+
+
+def simulate(profile: Profile, sim_settings: dict[str, Any] | None = None) -> VirtualRun:
+    """Runs a profile in virtual time without writing anything; ``.records`` holds the records."""
+    from loadlab.sim.cli import resolve_settings
+
+    settings = resolve_settings(dict(sim_settings or {}))
+    vr = VirtualRun(profile, settings)
+    vr.run()
+    return vr
+
+
+def run_virtual(
+    profile: Profile,
+    sim_settings: dict[str, Any] | None,
+    out_root: str | Path,
+    run_name: str | None = None,
+    *,
+    profile_path: str | None = None,
+    command: list[str] | None = None,
+) -> Path:
+    """Runs ``profile`` against the twin in virtual time and writes a complete run directory; returns it.
+
+    ``sim_settings`` are server settings under SGLang's names (``max_running_requests``, ``gpu``, ...),
+    as in a profile's ``target.embedded``; unset ones take the server's defaults."""
+    from loadlab.analysis.report import write_report
+    from loadlab.sim.cli import resolve_settings
+    from loadlab.sim.server import SIM_VERSION
+
+    wall0 = time.perf_counter()
+    settings = resolve_settings(dict(sim_settings or {}))
+    out_root = Path(out_root)
+    out_root.mkdir(parents=True, exist_ok=True)
+    run_dir = out_root / unique_run_name(out_root, run_name or default_run_name(profile.name, "-virtual"))
+    run_dir.mkdir(parents=True)
+    run_id = run_dir.name
+    epoch = math.floor(time.time())
+    shown = {k: v for k, v in settings.items() if k not in ("host", "port", "log_level")}
+    manifest: dict[str, Any] = {
+        "run_id": run_id,
+        "profile_path": profile_path,
+        "profile": profile.model_dump(mode="json"),
+        "target": {
+            "url": "virtual",
+            "embedded": False,
+            "virtual": True,
+            "embedded_settings": dict(sim_settings or {}),
+            "server_info": dict(shown, version=f"{SIM_VERSION} (virtual time)", loadlab_sim=True),
+        },
+        "model": settings["served_model_name"],
+        "load": describe_load(profile),
+        "virtual": True,
+        "sim": shown,
+        "started_wall": epoch,
+        "ended_wall": None,
+        "complete": False,
+        "counts": {
+            "warmup_expected": profile.requests.warmup,
+            "measured_expected": profile.requests.measured,
+        },
+        "versions": {
+            "loadlab": loadlab.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "command": command if command is not None else list(sys.argv),
+    }
+    write_manifest(run_dir, manifest)
+    vr = VirtualRun(profile, settings, run_id, float(epoch))
+    vr.run()
+    write_records(run_dir, vr.records)
+    c = vr.client
+    manifest.update(
+        ended_wall=epoch + vr.t,
+        complete=c.done,
+        counts={
+            **manifest["counts"],
+            "warmup_finished": c.warmup_finished,
+            "measured_finished": c.measured_finished,
+            "records": len(vr.records),
+            "outcomes": vr.outcomes,
+        },
+        virtual_stats=dict(vr.stats(), wall_s=time.perf_counter() - wall0),
+    )
+    write_manifest(run_dir, manifest)
+    write_report(run_dir)
+    return run_dir
+
+
+__all__ = [
+    "VirtualRun",
+    "describe_load",
+    "output_ids_for",
+    "run_requests",
+    "run_virtual",
+    "simulate",
+    "token_events",
+    "write_records",
+]
