@@ -88,6 +88,9 @@ def _wait_for_records(tmp_path, count, timeout_s=60):
         dirs = list(tmp_path.iterdir())
         records = dirs[0] / RECORDS_JSONL if dirs else None
         if records and records.exists() and len(records.read_bytes().splitlines()) >= count:
+            # Closed-loop users finish in waves (identical requests decode in lockstep) and the records of
+            # a wave land together: wait until the next wave is well in flight before signalling.
+            time.sleep(0.4)
             return records.parent
         time.sleep(0.2)
     raise AssertionError(f"the run wrote fewer than {count} records in {timeout_s} s")
