@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadlab.profile import CLI_OVERRIDES, EXIT_BAD_INPUT, ProfileError, load_profile
+from loadlab.cliargs import EXIT_BAD_INPUT, OneLineParser
+from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
 from loadlab.swarm.options import add_loadlab_arguments, check_load_model, overrides_from_options
 
 LOCUSTFILE = Path(__file__).parent / "swarm" / "locustfile.py"
@@ -41,16 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage dump) and exit status 2."""
-
-    def error(self, message):
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="loadlab", description="Load testing for SGLang servers")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    parser = OneLineParser(prog="loadlab", description="Load testing for SGLang servers")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 
     run = sub.add_parser("run", help="run a profile headless in one process and write its report")
     run.add_argument("profile", help="profile YAML, e.g. profiles/rag.yaml")

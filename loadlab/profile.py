@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, m
 APIS = ("generate", "completions", "chat")
 API_PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 EMBEDDED = "embedded"
-EXIT_BAD_INPUT = 2  # the process exit status for a user mistake (profile, flag, file)
 
 
 class ProfileError(Exception):

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from loadlab.cliargs import OneLineParser, non_negative_int, positive
 from loadlab.sim import READY_PREFIX
 from loadlab.sim.cost import GPUS, MODELS
 
@@ -173,42 +174,13 @@ def _arg_type(s: Setting):
     return parse
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit status 2, no usage dump
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 VIRTUAL_OPTIONS = ("out", "run_name", "concurrency", "rate", "arrival", "num_requests", "warmup_requests")
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-        if not value > 0 or not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
 
 
 def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     """The command line. ``suppress_defaults``: leave unset flags out of the namespace (to tell which
     settings were given explicitly)."""
-    p = _Parser(
+    p = OneLineParser(
         prog=PROG,
         description="Simulated SGLang server (SGLang's scheduler on a GPU cost model, prefix cache, SGLang's "
         "wire protocol). Flags use SGLang's launch-flag names. Prints 'loadlab-sim listening on "
@@ -242,14 +214,14 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     )
     load = v.add_mutually_exclusive_group()
     load.add_argument(
-        "--concurrency", type=_positive(int), default=None, help="closed loop: requests held in flight"
+        "--concurrency", type=positive(int), default=None, help="closed loop: requests held in flight"
     )
-    load.add_argument("--rate", type=_positive(float), default=None, help="open loop: requests per second")
+    load.add_argument("--rate", type=positive(float), default=None, help="open loop: requests per second")
     v.add_argument(
         "--arrival", choices=("poisson", "constant"), default=None, help="open-loop arrival process"
     )
-    v.add_argument("--num-requests", type=_positive(int), default=None, help="measured requests")
-    v.add_argument("--warmup-requests", type=_non_negative_int, default=None, help="warm-up requests")
+    v.add_argument("--num-requests", type=positive(int), default=None, help="measured requests")
+    v.add_argument("--warmup-requests", type=non_negative_int, default=None, help="warm-up requests")
     return p
 
 

@@ -16,7 +16,8 @@ import gevent
 from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadlab.profile import EXIT_BAD_INPUT, ProfileError, load_profile
+from loadlab.cliargs import EXIT_BAD_INPUT
+from loadlab.profile import ProfileError, load_profile
 from loadlab.swarm.options import add_loadlab_arguments, check_load_model, overrides_from_options
 from loadlab.swarm.run import Run
 from loadlab.swarm.users import SGLangUser

@@ -4,34 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from loadlab.cliargs import non_negative_int, positive
 from loadlab.profile import APIS, CLI_OVERRIDES, ProfileError, parse_set_option
 
 DEFAULT_PROFILE = "profiles/default.yaml"
 DEFAULT_OUT = "reports"
-
-
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
 
 
 def add_loadlab_arguments(parser, *, locust: bool) -> None:
@@ -47,11 +24,11 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
     if locust:
         add("--profile-file", default=DEFAULT_PROFILE, metavar="PATH", help="loadlab profile (YAML)")
     add("--api", choices=APIS, default=None, help="SGLang API: native /generate or OpenAI completions/chat")
-    add("--concurrency", type=_positive_int, default=None, help="requests held in flight (Locust's -u wins)")
-    add("--num-requests", type=_positive_int, default=None, help="measured requests")
-    add("--warmup-requests", type=_non_negative_int, default=None, help="warm-up requests, not measured")
-    add("--input-len", type=_positive_int, default=None, help="prompt tokens (workload.input_len)")
-    add("--output-len", type=_positive_int, default=None, help="output tokens (workload.output_len)")
+    add("--concurrency", type=positive(int), default=None, help="requests held in flight (Locust's -u wins)")
+    add("--num-requests", type=positive(int), default=None, help="measured requests")
+    add("--warmup-requests", type=non_negative_int, default=None, help="warm-up requests, not measured")
+    add("--input-len", type=positive(int), default=None, help="prompt tokens (workload.input_len)")
+    add("--output-len", type=positive(int), default=None, help="output tokens (workload.output_len)")
     add("--seed", type=int, default=None, help="workload seed")
     add("--tokenizer", default=None, metavar="PATH", help="local tokenizer.json for exact text lengths")
     add("--model", default=None, help="model name sent on the OpenAI APIs (default: the server's)")
