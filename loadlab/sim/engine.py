@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,7 +41,10 @@ from loadlab.sim.scheduler import (
     SchedulerConfig,
 )
 
-LATE_TOLERANCE_S = 0.005  # a step may start up to this late and still be timed from its intended start
+PRECISE_SLEEP_S = 0.0015  # the last part of a wait before a pass ends, slept without the event loop
+LATE_TOLERANCE_S = (
+    0.02  # a pass may start up to this late (a burst of writes, a GC pause) and keep model time
+)
 
 _DEFAULT_COST = CostModel()
 KV_BYTES_PER_TOKEN = _DEFAULT_COST.model.kv_bytes_per_token
@@ -68,6 +71,51 @@ class Step(NamedTuple):
     new_tokens: int  # tokens produced since the previous step
     completion_tokens: int  # cumulative
     finish_reason: dict | None  # set on the last step only
+    due: float  # loop time at which the newest of these tokens was produced (the end of its forward pass)
+
+
+class LatenessHistogram:
+    """How late the server wrote its events: write time minus the end of the pass that made the token.
+
+    Fixed 0.1 ms bins up to 100 ms (and one overflow bin), so recording is O(1) and quantiles are exact to
+    the bin width however long the server runs.
+    """
+
+    BIN_S = 0.0001
+    BINS = 1000
+
+    def __init__(self) -> None:
+        self.counts = [0] * (self.BINS + 1)
+        self.count = 0
+        self.max_s = 0.0
+
+    def record(self, late_s: float) -> None:
+        if late_s < 0.0:
+            late_s = 0.0
+        i = int(late_s / self.BIN_S)
+        self.counts[i if i < self.BINS else self.BINS] += 1
+        self.count += 1
+        if late_s > self.max_s:
+            self.max_s = late_s
+
+    def quantile(self, q: float) -> float:
+        """Upper edge of the bin holding the q-quantile, in seconds (the overflow bin reports the max)."""
+        if not self.count:
+            return 0.0
+        rank = q * self.count
+        seen = 0
+        for i, n in enumerate(self.counts):
+            seen += n
+            if seen >= rank and n:
+                return self.max_s if i == self.BINS else min((i + 1) * self.BIN_S, self.max_s)
+        return self.max_s
+
+    def summary_ms(self) -> dict:
+        return {
+            "count": self.count,
+            **{f"p{round(q * 100)}": round(self.quantile(q) * 1000, 2) for q in (0.5, 0.9, 0.99)},
+            "max": round(self.max_s * 1000, 2),
+        }
 
 
 @dataclass
@@ -83,7 +131,7 @@ class RequestHandle:
     Times are event-loop clock values (``loop.time()``); ``wall()`` turns one into a Unix timestamp.
     """
 
-    __slots__ = ("_engine", "_final_yielded", "_sent", "_waiter", "req", "stream_interval")
+    __slots__ = ("_engine", "_final_yielded", "_listener", "_sent", "_waiter", "req", "stream_interval")
 
     def __init__(self, engine: Engine, req: Request, stream_interval: int):
         self._engine = engine
@@ -92,6 +140,7 @@ class RequestHandle:
         self._sent = 0
         self._final_yielded = False
         self._waiter: asyncio.Future | None = None
+        self._listener: Callable[[Step], None] | None = None
 
     # Request state, read through.
     @property
@@ -148,6 +197,15 @@ class RequestHandle:
     def abort(self, message: str = "client disconnected") -> None:
         self._engine._abort(self, message)
 
+    def listen(self, on_step: Callable[[Step], None]) -> None:
+        """Push mode, instead of iterating: the engine loop calls ``on_step(step)`` synchronously as each
+        step becomes ready, the last one with ``finish_reason`` set. It saves a task switch per event, which
+        is most of a streamed token's cost in the server. ``on_step`` must not call into the engine (abort
+        from the awaiting task instead)."""
+        self._listener = on_step
+        if not self._final_yielded and self._ready():
+            on_step(self._take())
+
     def _ready(self) -> bool:
         if self.req.state >= DONE:
             return True
@@ -155,7 +213,24 @@ class RequestHandle:
         sent = self._sent
         return (sent == 0 and ct > 0) or (ct - sent >= self.stream_interval and ct > sent)
 
+    def _take(self) -> Step:
+        ct = self.completion_tokens
+        new = ct - self._sent
+        self._sent = ct
+        due = self._engine.last_pass_end
+        if self.req.state >= DONE:
+            self._final_yielded = True
+            return Step(new, ct, self.req.finish_reason, due)
+        return Step(new, ct, None, due)
+
     def _notify(self) -> None:
+        if self._final_yielded:
+            return
+        listener = self._listener
+        if listener is not None:
+            if self._ready():
+                listener(self._take())
+            return
         w = self._waiter
         if w is not None and not w.done() and self._ready():
             w.set_result(None)
@@ -168,13 +243,7 @@ class RequestHandle:
             if self._final_yielded:
                 raise StopAsyncIteration
             if self._ready():
-                ct = self.completion_tokens
-                new = ct - self._sent
-                self._sent = ct
-                if self.req.state >= DONE:
-                    self._final_yielded = True
-                    return Step(new, ct, self.req.finish_reason)
-                return Step(new, ct, None)
+                return self._take()
             fut = asyncio.get_running_loop().create_future()
             self._waiter = fut
             try:
@@ -195,6 +264,10 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._it: Iteration | None = None
         self.wall_offset = 0.0
+        self.last_pass_end = 0.0
+        self.lateness = LatenessHistogram()  # filled by the server as it writes events
+        self.late_passes = 0  # passes that started more than LATE_TOLERANCE_S late (the CPU fell behind)
+        self.lost_s = 0.0  # model time given up to those late starts
 
     @property
     def cache(self) -> RadixCache | None:
@@ -282,6 +355,14 @@ class Engine:
     def stats(self) -> dict:
         return self.scheduler.stats()
 
+    def timing_stats(self) -> dict:
+        """The server's own timing quality: event lateness and time lost to a CPU that fell behind."""
+        return {
+            "event_lateness_ms": self.lateness.summary_ms(),
+            "late_passes": self.late_passes,
+            "lost_model_time_s": round(self.lost_s, 4),
+        }
+
     def _abort(self, h: RequestHandle, message: str) -> None:
         now = self._loop.time() if self._loop is not None else 0.0
         if self.scheduler.abort(h.req, now, message):
@@ -299,8 +380,14 @@ class Engine:
         busy = False
         while True:
             now = loop.time()
-            # Time the pass from the previous pass's intended end, so wake-up lateness does not drift.
-            t = max(t, now - LATE_TOLERANCE_S) if busy else now
+            # Time the pass from the previous pass's intended end, so wake-up lateness does not drift;
+            # beyond the tolerance the CPU has fallen behind the model and the lost time is counted.
+            if not busy:
+                t = now
+            elif now - t > LATE_TOLERANCE_S:
+                self.late_passes += 1
+                self.lost_s += now - LATE_TOLERANCE_S - t
+                t = now - LATE_TOLERANCE_S
             it = sched.next_iteration(t)
             if it is None:
                 busy = False
@@ -310,9 +397,15 @@ class Engine:
             self._it = it
             end = t + it.duration
             delay = end - loop.time()
-            await asyncio.sleep(delay if delay > 0 else 0)
+            # The event loop's timers wake up to 1 ms late (epoll rounds its timeout up to whole ms), so
+            # wake a little early and finish with a precise sleep that holds the loop for under 1.5 ms.
+            await asyncio.sleep(delay - PRECISE_SLEEP_S if delay > PRECISE_SLEEP_S else 0)
+            rest = end - loop.time()
+            if rest > 0:
+                time.sleep(rest)
             self._it = None
             sched.complete(it, end)
+            self.last_pass_end = end
             self._deliver(it)
             t = end
             busy = True
@@ -327,7 +420,7 @@ class Engine:
         if it.decode_bs:
             for r in self.scheduler.running:
                 h = r.handle
-                if h is not None and h._waiter is not None:
+                if h is not None and (h._waiter is not None or h._listener is not None):
                     h._notify()
 
 
@@ -337,6 +430,7 @@ __all__ = [
     "WEIGHT_BYTES",
     "Engine",
     "EngineConfig",
+    "LatenessHistogram",
     "QueueFullError",
     "RadixCache",
     "RequestHandle",

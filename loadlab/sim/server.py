@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -403,36 +404,79 @@ class SimServer:
     async def _native_stream(
         self, request: web.Request, h: RequestHandle, out: _Output
     ) -> web.StreamResponse:
+        text = ""
+
+        def encode(step: Step) -> bytes:
+            nonlocal text
+            ct = step.completion_tokens
+            if step.new_tokens:
+                text += out.text(ct - step.new_tokens, ct)
+            final = step.finish_reason is not None
+            obj = {
+                "text": text,
+                "output_ids": out.ids[:ct],
+                "meta_info": self._meta(h, ct, step.finish_reason, final),
+            }
+            payload = b"data: " + _dumps(obj) + b"\n\n"
+            return payload + DONE_EVENT if final else payload
+
+        return await self._stream(request, h, encode)
+
+    async def _stream(
+        self, request: web.Request, h: RequestHandle, encode: Callable[[Step], bytes]
+    ) -> web.StreamResponse:
+        """Streams a request's steps as server-sent events; ``encode(step)`` gives a step's bytes.
+
+        The first event goes out through aiohttp, which sends the headers with it; later events are written
+        to the transport straight from the engine loop (``RequestHandle.listen``), in aiohttp's framing,
+        with no task switch per event: that is most of a streamed token's cost. Each write's lateness
+        (against the end of the forward pass that made the token) goes into ``engine.lateness``.
+        """
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         metrics = self.metrics
+        lateness = self.engine.lateness
         loop = asyncio.get_running_loop()
+        last = 0.0
+
+        def account(step: Step) -> None:
+            nonlocal last
+            now = loop.time()
+            lateness.record(now - step.due)
+            if metrics is not None:
+                if last == 0.0:
+                    metrics.first_token(True, h)
+                elif step.new_tokens:
+                    metrics.inter_token(True, now - last, step.new_tokens)
+                if step.finish_reason is not None:
+                    metrics.finished(True, h)
+            last = now
+
         try:
             await resp.prepare(request)
-            text = ""
-            last = 0.0
-            async for step in h:
-                ct = step.completion_tokens
-                if step.new_tokens:
-                    text += out.text(ct - step.new_tokens, ct)
-                final = step.finish_reason is not None
-                obj = {
-                    "text": text,
-                    "output_ids": out.ids[:ct],
-                    "meta_info": self._meta(h, ct, step.finish_reason, final),
-                }
-                payload = b"data: " + _dumps(obj) + b"\n\n"
-                if final:
-                    payload += DONE_EVENT
-                await resp.write(payload)
-                if metrics is not None:
-                    now = loop.time()
-                    if last == 0.0:
-                        metrics.first_token(True, h)
-                    elif step.new_tokens:
-                        metrics.inter_token(True, now - last, step.new_tokens)
-                    last = now
-                    if final:
-                        metrics.finished(True, h)
+            step = await h.__anext__()
+            await resp.write(encode(step))
+            account(step)
+            if step.finish_reason is not None:
+                return resp
+            transport = request.transport
+            chunked = resp.headers.get("Transfer-Encoding") == "chunked"  # set by prepare() on HTTP/1.1
+            done: asyncio.Future[bool] = loop.create_future()
+
+            def on_step(step: Step) -> None:
+                if done.done():
+                    return
+                if transport is None or transport.is_closing():
+                    done.set_result(False)  # the client went away: the awaiting task aborts the request
+                    return
+                payload = encode(step)
+                if payload:
+                    transport.write(b"%x\r\n%b\r\n" % (len(payload), payload) if chunked else payload)
+                account(step)
+                if step.finish_reason is not None:
+                    done.set_result(True)
+
+            h.listen(on_step)
+            await done
         except ConnectionError:
             pass
         finally:
@@ -570,112 +614,45 @@ class SimServer:
 
     async def _openai_stream(self, request, h: RequestHandle, out: _Output, chat: bool, model: str,
                              created: int, include_usage: bool, continuous: bool) -> web.StreamResponse:  # fmt: skip
-        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        metrics = self.metrics
-        loop = asyncio.get_running_loop()
         obj_name = "chat.completion.chunk" if chat else "text_completion"
         rid = h.rid
+        first = True
 
-        def chunk(choices: list, usage: dict | None) -> bytes:
+        def chunk(field: str, value: Any, finish_reason: str | None, usage: dict | None) -> bytes:
+            choice = {"index": 0, field: value, "logprobs": None, "finish_reason": finish_reason,
+                      "matched_stop": None}  # fmt: skip
             return b"data: " + _dumps({"id": rid, "object": obj_name, "created": created, "model": model,
-                                       "choices": choices, "usage": usage}) + b"\n\n"  # fmt: skip
+                                       "choices": [choice], "usage": usage}) + b"\n\n"  # fmt: skip
 
-        try:
-            await resp.prepare(request)
-            last = 0.0
-            ct = 0
-            fr = None
-            async for step in h:
-                ct = step.completion_tokens
-                delta = out.text(ct - step.new_tokens, ct)
-                usage = self._usage(h, ct, drop_none=False) if continuous else None
-                payload = b""
-                if chat:
-                    if last == 0.0:
-                        role = {
-                            "role": "assistant",
-                            "content": "",
-                            "reasoning_content": None,
-                            "tool_calls": None,
-                        }
-                        payload += chunk(
-                            [
-                                {
-                                    "index": 0,
-                                    "delta": role,
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                    "matched_stop": None,
-                                }
-                            ],
-                            usage,
-                        )
-                    if delta:
-                        d = {"role": None, "content": delta, "reasoning_content": None, "tool_calls": None}
-                        payload += chunk(
-                            [
-                                {
-                                    "index": 0,
-                                    "delta": d,
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                    "matched_stop": None,
-                                }
-                            ],
-                            usage,
-                        )
-                else:
-                    fr = step.finish_reason["type"] if step.finish_reason else None
-                    payload += chunk(
-                        [
-                            {
-                                "index": 0,
-                                "text": delta,
-                                "logprobs": None,
-                                "finish_reason": fr,
-                                "matched_stop": None,
-                            }
-                        ],
-                        usage,
-                    )
-                if step.finish_reason is not None:
-                    fr = step.finish_reason["type"]
-                    if chat:
-                        d = {"role": None, "content": None, "reasoning_content": None, "tool_calls": None}
-                        payload += chunk(
-                            [
-                                {
-                                    "index": 0,
-                                    "delta": d,
-                                    "logprobs": None,
-                                    "finish_reason": fr,
-                                    "matched_stop": None,
-                                }
-                            ],
-                            usage,
-                        )
-                    if include_usage:
-                        payload += b"data: " + _dumps({"id": rid, "object": obj_name, "created": created,
-                                                       "model": model, "choices": [],
-                                                       "usage": self._usage(h, ct, drop_none=True)}) + b"\n\n"  # fmt: skip
-                    payload += DONE_EVENT
-                if payload:
-                    await resp.write(payload)
-                if metrics is not None:
-                    now = loop.time()
-                    if last == 0.0:
-                        metrics.first_token(True, h)
-                    elif step.new_tokens:
-                        metrics.inter_token(True, now - last, step.new_tokens)
-                    if step.finish_reason is not None:
-                        metrics.finished(True, h)
-                last = loop.time()
-        except ConnectionError:
-            pass
-        finally:
-            if not h.finished:
-                h.abort()
-        return resp
+        def delta(content: str | None, role: str | None = None) -> dict:
+            return {"role": role, "content": content, "reasoning_content": None, "tool_calls": None}
+
+        def encode(step: Step) -> bytes:
+            nonlocal first
+            ct = step.completion_tokens
+            text = out.text(ct - step.new_tokens, ct)
+            usage = self._usage(h, ct, drop_none=False) if continuous else None
+            fr = step.finish_reason["type"] if step.finish_reason is not None else None
+            payload = b""
+            if chat:
+                if first:
+                    payload += chunk("delta", delta("", "assistant"), None, usage)
+                if text:
+                    payload += chunk("delta", delta(text), None, usage)
+                if fr is not None:
+                    payload += chunk("delta", delta(None), fr, usage)
+            else:
+                payload += chunk("text", text, fr, usage)
+            first = False
+            if fr is not None:
+                if include_usage:
+                    payload += b"data: " + _dumps({"id": rid, "object": obj_name, "created": created,
+                                                   "model": model, "choices": [],
+                                                   "usage": self._usage(h, ct, drop_none=True)}) + b"\n\n"  # fmt: skip
+                payload += DONE_EVENT
+            return payload
+
+        return await self._stream(request, h, encode)
 
     # -- the rest -----------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -719,6 +696,7 @@ class SimServer:
         info.update(
             version=SIM_VERSION,
             loadlab_sim=True,
+            loadlab_sim_timing=self.engine.timing_stats(),
             internal_states=[
                 {
                     "last_gen_throughput": st["gen_throughput"],
