@@ -67,6 +67,12 @@ def test_a100_batch_of_8_and_single_stream_over_http(server):
     many = asyncio.run(_gather(server.url, [body(unique(i, 32), 128) for i in range(1, 9)]))
     gaps = [mean_gap(ev) * 1000 for _, ev in many]
     assert statistics.median(gaps) == pytest.approx(12.3, rel=0.15)
+    # The server's own timing: every event written is in the lateness histogram, most within a few ms.
+    timing = orjson.loads(_get(server.url, "/server_info"))["loadlab_sim_timing"]
+    written = len(events) + sum(len(ev) for _, ev in many)
+    assert timing["event_lateness_ms"]["count"] == written
+    assert timing["pass_end_lateness_ms"]["count"] >= 64 + 128  # at least one pass per token
+    assert timing["event_lateness_ms"]["p50"] < 5.0 and timing["pass_end_lateness_ms"]["p50"] < 5.0
 
 
 @pytest.mark.parametrize("server", [{"gpu": "h100-80gb", "enable_metrics": True}], indirect=True)

@@ -376,3 +376,19 @@ def test_radix_cache_lru_eviction_respects_locks():
     c.match_prefix([10, 11], now=4.0)  # touched: now the most recent
     assert c.evict(2) == 2 and c.peek_prefix_len([20, 21]) == 0
     assert c.evict(2) == 2 and c.peek_prefix_len([30, 31]) == 0 and c.peek_prefix_len([10, 11]) == 2
+
+
+def test_lateness_histogram_quantiles_are_exact_to_the_bin():
+    from loadlab.sim.engine import LatenessHistogram
+
+    h = LatenessHistogram()
+    for ms in range(1, 101):  # 1..100 ms, one sample each
+        h.record(ms / 1000 - 0.00005)  # mid-bin, so each sample's bin edge is exactly its value
+    h.record(-0.001)  # early counts as on time
+    h.record(0.25)  # beyond the last bin: the overflow bin reports the max
+    assert h.count == 102
+    assert h.quantile(0.5) * 1000 == pytest.approx(50, abs=0.1)
+    assert h.quantile(0.99) * 1000 == pytest.approx(100, abs=0.1)
+    assert h.quantile(1.0) == pytest.approx(0.25)
+    s = h.summary_ms()
+    assert s["count"] == 102 and s["max"] == 250.0 and s["p90"] == pytest.approx(91, abs=0.11)

@@ -131,7 +131,8 @@ class RequestHandle:
     Times are event-loop clock values (``loop.time()``); ``wall()`` turns one into a Unix timestamp.
     """
 
-    __slots__ = ("_engine", "_final_yielded", "_listener", "_sent", "_waiter", "req", "stream_interval")
+    __slots__ = ("_emit", "_encode", "_engine", "_final_yielded", "_prepared", "_prepared_ct", "_sent", "_waiter",
+                 "req", "stream_interval")  # fmt: skip
 
     def __init__(self, engine: Engine, req: Request, stream_interval: int):
         self._engine = engine
@@ -140,7 +141,10 @@ class RequestHandle:
         self._sent = 0
         self._final_yielded = False
         self._waiter: asyncio.Future | None = None
-        self._listener: Callable[[Step], None] | None = None
+        self._encode: Callable[[Step], bytes] | None = None  # push mode (listen)
+        self._emit: Callable[[Step, bytes], None] | None = None
+        self._prepared: bytes | None = None  # the next step's payload, encoded while its pass ran
+        self._prepared_ct = -1
 
     # Request state, read through.
     @property
@@ -197,14 +201,30 @@ class RequestHandle:
     def abort(self, message: str = "client disconnected") -> None:
         self._engine._abort(self, message)
 
-    def listen(self, on_step: Callable[[Step], None]) -> None:
-        """Push mode, instead of iterating: the engine loop calls ``on_step(step)`` synchronously as each
-        step becomes ready, the last one with ``finish_reason`` set. It saves a task switch per event, which
-        is most of a streamed token's cost in the server. ``on_step`` must not call into the engine (abort
-        from the awaiting task instead)."""
-        self._listener = on_step
+    def listen(self, encode: Callable[[Step], bytes], emit: Callable[[Step, bytes], None]) -> None:
+        """Push mode, instead of iterating: the engine loop calls ``emit(step, encode(step))`` synchronously
+        as each step becomes ready, the last one with ``finish_reason`` set; no task switch per event.
+        ``encode`` must be pure: the engine may call it early, while the pass that makes the step is still
+        running, so that only the socket writes are left for the pass's end. Neither may call into the
+        engine (abort from the awaiting task instead)."""
+        self._encode = encode
+        self._emit = emit
         if not self._final_yielded and self._ready():
-            on_step(self._take())
+            step = self._take()
+            emit(step, encode(step))
+
+    def unlisten(self) -> None:
+        """Back to iterating (the push listener stops getting steps)."""
+        self._encode = self._emit = None
+        self._prepared = None
+
+    def _prepare(self, completion_tokens: int) -> None:
+        """Encodes the step this handle will have at ``completion_tokens``, if that is a mid-stream event."""
+        sent = self._sent
+        if sent and completion_tokens - sent >= self.stream_interval and completion_tokens < self.req.max_new:
+            assert self._encode is not None
+            self._prepared = self._encode(Step(completion_tokens - sent, completion_tokens, None, 0.0))
+            self._prepared_ct = completion_tokens
 
     def _ready(self) -> bool:
         if self.req.state >= DONE:
@@ -226,10 +246,22 @@ class RequestHandle:
     def _notify(self) -> None:
         if self._final_yielded:
             return
-        listener = self._listener
-        if listener is not None:
+        emit = self._emit
+        if emit is not None:
             if self._ready():
-                listener(self._take())
+                step = self._take()
+                prepared = self._prepared
+                if (
+                    prepared is not None
+                    and self._prepared_ct == step.completion_tokens
+                    and step.finish_reason is None
+                ):
+                    payload = prepared
+                else:
+                    assert self._encode is not None
+                    payload = self._encode(step)
+                self._prepared = None
+                emit(step, payload)
             return
         w = self._waiter
         if w is not None and not w.done() and self._ready():
@@ -265,7 +297,10 @@ class Engine:
         self._it: Iteration | None = None
         self.wall_offset = 0.0
         self.last_pass_end = 0.0
-        self.lateness = LatenessHistogram()  # filled by the server as it writes events
+        self.pass_lateness = LatenessHistogram()  # when each pass's end was processed, against its schedule
+        self.lateness = (
+            LatenessHistogram()
+        )  # when each event was written, against its pass's end (the server)
         self.late_passes = 0  # passes that started more than LATE_TOLERANCE_S late (the CPU fell behind)
         self.lost_s = 0.0  # model time given up to those late starts
 
@@ -356,8 +391,10 @@ class Engine:
         return self.scheduler.stats()
 
     def timing_stats(self) -> dict:
-        """The server's own timing quality: event lateness and time lost to a CPU that fell behind."""
+        """The server's own timing quality: how late passes ended and events were written, and the model
+        time lost to a CPU that fell behind."""
         return {
+            "pass_end_lateness_ms": self.pass_lateness.summary_ms(),
             "event_lateness_ms": self.lateness.summary_ms(),
             "late_passes": self.late_passes,
             "lost_model_time_s": round(self.lost_s, 4),
@@ -396,6 +433,8 @@ class Engine:
                 continue
             self._it = it
             end = t + it.duration
+            if it.decode_bs:
+                self._prepare(it)
             delay = end - loop.time()
             # The event loop's timers wake up to 1 ms late (epoll rounds its timeout up to whole ms), so
             # wake a little early and finish with a precise sleep that holds the loop for under 1.5 ms.
@@ -403,12 +442,22 @@ class Engine:
             rest = end - loop.time()
             if rest > 0:
                 time.sleep(rest)
+            self.pass_lateness.record(loop.time() - end)
             self._it = None
             sched.complete(it, end)
             self.last_pass_end = end
             self._deliver(it)
             t = end
             busy = True
+
+    def _prepare(self, it: Iteration) -> None:
+        """Encodes the events this decode pass will release while it runs (a pass's events go out in one
+        burst at its end, so the cheaper each one is there, the less late the last one)."""
+        generated = self.scheduler.generated
+        for r in self.scheduler.running:
+            h = r.handle
+            if h is not None and h._emit is not None:
+                h._prepare(generated(r) + 1)
 
     def _deliver(self, it: Iteration) -> None:
         for r in it.finished:
@@ -420,7 +469,7 @@ class Engine:
         if it.decode_bs:
             for r in self.scheduler.running:
                 h = r.handle
-                if h is not None and (h._waiter is not None or h._listener is not None):
+                if h is not None and (h._waiter is not None or h._emit is not None):
                     h._notify()
 
 

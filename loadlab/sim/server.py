@@ -27,6 +27,7 @@ from loadlab.sim.engine import (
 )
 from loadlab.sim.tokenize import OUTPUT_IDS, OUTPUT_TEXTS, Tokenizer, output_start
 
+SLOW_READER_BYTES = 64 * 1024  # unsent bytes at which a stream stops pushing and waits for its reader
 SIM_VERSION = f"loadlab-sim {__version__}"
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang's (and OpenAI's) default
@@ -404,16 +405,11 @@ class SimServer:
     async def _native_stream(
         self, request: web.Request, h: RequestHandle, out: _Output
     ) -> web.StreamResponse:
-        text = ""
-
         def encode(step: Step) -> bytes:
-            nonlocal text
             ct = step.completion_tokens
-            if step.new_tokens:
-                text += out.text(ct - step.new_tokens, ct)
             final = step.finish_reason is not None
             obj = {
-                "text": text,
+                "text": out.text(0, ct),
                 "output_ids": out.ids[:ct],
                 "meta_info": self._meta(h, ct, step.finish_reason, final),
             }
@@ -460,23 +456,30 @@ class SimServer:
                 return resp
             transport = request.transport
             chunked = resp.headers.get("Transfer-Encoding") == "chunked"  # set by prepare() on HTTP/1.1
-            done: asyncio.Future[bool] = loop.create_future()
+            outcome: asyncio.Future[str] = loop.create_future()
 
-            def on_step(step: Step) -> None:
-                if done.done():
+            def emit(step: Step, payload: bytes) -> None:
+                if outcome.done():
                     return
                 if transport is None or transport.is_closing():
-                    done.set_result(False)  # the client went away: the awaiting task aborts the request
+                    outcome.set_result("gone")  # the awaiting task aborts the request
                     return
-                payload = encode(step)
                 if payload:
                     transport.write(b"%x\r\n%b\r\n" % (len(payload), payload) if chunked else payload)
                 account(step)
                 if step.finish_reason is not None:
-                    done.set_result(True)
+                    outcome.set_result("finished")
+                elif transport.get_write_buffer_size() > SLOW_READER_BYTES:
+                    h.unlisten()
+                    outcome.set_result("slow reader")
 
-            h.listen(on_step)
-            await done
+            h.listen(encode, emit)
+            if await outcome == "slow reader":
+                # Back to awaiting each write: tokens produced meanwhile arrive together in the next event,
+                # as SGLang drops a slow reader's intermediate chunks.
+                async for step in h:
+                    await resp.write(encode(step))
+                    account(step)
         except ConnectionError:
             pass
         finally:
@@ -616,7 +619,6 @@ class SimServer:
                              created: int, include_usage: bool, continuous: bool) -> web.StreamResponse:  # fmt: skip
         obj_name = "chat.completion.chunk" if chat else "text_completion"
         rid = h.rid
-        first = True
 
         def chunk(field: str, value: Any, finish_reason: str | None, usage: dict | None) -> bytes:
             choice = {"index": 0, field: value, "logprobs": None, "finish_reason": finish_reason,
@@ -628,14 +630,13 @@ class SimServer:
             return {"role": role, "content": content, "reasoning_content": None, "tool_calls": None}
 
         def encode(step: Step) -> bytes:
-            nonlocal first
             ct = step.completion_tokens
             text = out.text(ct - step.new_tokens, ct)
             usage = self._usage(h, ct, drop_none=False) if continuous else None
             fr = step.finish_reason["type"] if step.finish_reason is not None else None
             payload = b""
             if chat:
-                if first:
+                if step.new_tokens == ct:  # the first event opens with the assistant's role
                     payload += chunk("delta", delta("", "assistant"), None, usage)
                 if text:
                     payload += chunk("delta", delta(text), None, usage)
@@ -643,7 +644,6 @@ class SimServer:
                     payload += chunk("delta", delta(None), fr, usage)
             else:
                 payload += chunk("text", text, fr, usage)
-            first = False
             if fr is not None:
                 if include_usage:
                     payload += b"data: " + _dumps({"id": rid, "object": obj_name, "created": created,
