@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadlab.cliargs import EXIT_BAD_INPUT, OneLineParser
+from loadlab.cliargs import EXIT_BAD_INPUT, OneLineParser, positive
 from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
 from loadlab.swarm.options import add_loadlab_arguments, check_load_model, overrides_from_options
 
@@ -46,10 +46,25 @@ def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="loadlab", description="Load testing for SGLang servers")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 
-    run = sub.add_parser("run", help="run a profile headless in one process and write its report")
+    run = sub.add_parser("run", help="run a profile headless and write its report")
     run.add_argument("profile", help="profile YAML, e.g. profiles/rag.yaml")
     run.add_argument("--host", default=None, help="SGLang server URL (default: the profile's target)")
     run.add_argument("-t", "--run-time", default=None, help="upper bound on run time, e.g. 90s or 5m")
+    run.add_argument(
+        "--workers",
+        type=positive(int),
+        default=None,
+        metavar="N",
+        help="distributed: a Locust master and N worker processes on this machine (default: one process)",
+    )
+    run.add_argument(
+        "--master-host",
+        default=None,
+        metavar="HOST",
+        help="with --workers: start only the N workers, joining the master on HOST",
+    )
+    run.add_argument("--master-port", type=positive(int), default=None, metavar="PORT",
+                     help="the master's port (default: a free one locally; 5557 with --master-host)")  # fmt: skip
     add_loadlab_arguments(run, locust=False)
     run.set_defaults(func=_cmd_run)
 
@@ -74,10 +89,19 @@ def _cmd_run(args) -> int:
     check_load_model(profile, args.profile)
     build_workload(profile)
     Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
+    if args.master_host is not None and args.workers is None:
+        raise ProfileError("--master-host: only with --workers N (the workers to start)")
+    if args.master_host is not None:
+        return _run_workers(args)
     out = Path(args.out)
     run_name = unique_run_name(out, args.run_name or default_run_name(profile.name))
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary"]
     cmd += ["--profile-file", args.profile, "--out", str(out), "--run-name", run_name]
+    workers: list[subprocess.Popen] = []
+    if args.workers:
+        port = args.master_port or _free_port()
+        cmd += ["--master", "--expect-workers", str(args.workers), "--master-bind-host", "127.0.0.1",
+                "--master-bind-port", str(port)]  # fmt: skip
     for flag in CLI_OVERRIDES:  # the same loadlab options, passed on as given
         value = getattr(args, flag)
         if value is not None:
@@ -91,9 +115,19 @@ def _cmd_run(args) -> int:
     # cancelled and finalizes the run, so this process only waits. (A no-op handler, not SIG_IGN: an
     # ignored signal would stay ignored in Locust across exec.)
     previous = signal.signal(signal.SIGINT, lambda *_: None)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
-        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, env=env)
+        if args.workers:
+            workers = [
+                subprocess.Popen(_worker_cmd("127.0.0.1", port, out), env=env) for _ in range(args.workers)
+            ]
         status = proc.wait()
+        for worker in workers:  # they exit when the master quits; a stuck one is not left behind
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
     finally:
         signal.signal(signal.SIGINT, previous)
     run_dir = out / run_name
@@ -104,19 +138,65 @@ def _cmd_run(args) -> int:
     return status
 
 
+def _worker_cmd(master_host: str, master_port: int, out: Path) -> list[str]:
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--worker", "--master-host", master_host,
+            "--master-port", str(master_port), "--out", str(out)]  # fmt: skip
+
+
+def _run_workers(args) -> int:
+    """Only workers, joining a master elsewhere (the master has the profile; workers get it from there)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = _worker_cmd(args.master_host, args.master_port or 5557, Path(args.out))
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        procs = [subprocess.Popen(cmd, env=env) for _ in range(args.workers)]
+        statuses = [p.wait() for p in procs]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return max(statuses)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _cmd_report(args) -> int:
     from loadlab.analysis.report import write_report
-    from loadlab.records import MANIFEST, RECORDS_JSONL, RECORDS_PARQUET
+    from loadlab.records import (
+        MANIFEST,
+        RECORDS_JSONL,
+        RECORDS_PARQUET,
+        SPILL_DIR,
+        merge_spills,
+        read_manifest,
+        recorded_indices,
+        write_manifest,
+        write_parquet,
+    )
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         print(f"loadlab: {run_dir}: not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if not any((run_dir / name).exists() for name in (RECORDS_PARQUET, RECORDS_JSONL)):
+    if not any((run_dir / name).exists() for name in (RECORDS_PARQUET, RECORDS_JSONL, SPILL_DIR)):
         print(f"loadlab: {run_dir}: no records ({RECORDS_PARQUET} or {RECORDS_JSONL})", file=sys.stderr)
         return EXIT_BAD_INPUT
     if not (run_dir / MANIFEST).exists():
         print(f"loadlab: {run_dir}: warning: no {MANIFEST}; SLO and load model unknown", file=sys.stderr)
+    recovered = merge_spills(run_dir, recorded_indices(run_dir))
+    if recovered:  # a distributed run whose master died: the workers' spill files complete the records
+        write_parquet(run_dir)
+        manifest = read_manifest(run_dir)
+        counts = manifest.setdefault("counts", {})
+        counts["recovered_from_spills"] = counts.get("recovered_from_spills", 0) + len(recovered)
+        write_manifest(run_dir, manifest)
+        print(
+            f"loadlab: {run_dir}: {len(recovered)} records merged from workers' spill files", file=sys.stderr
+        )
     write_report(run_dir)
     print(run_dir / "summary.md")
     return 0

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import orjson
 RECORDS_JSONL = "records.jsonl"
 RECORDS_PARQUET = "records.parquet"
 MANIFEST = "manifest.json"
+SPILL_DIR = "spill"  # workers' own copies of their records (distributed runs), one JSONL file per worker
 
 # Outcomes a request can end with. "ok" is the only success.
 OK = "ok"
@@ -84,10 +86,10 @@ RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 
 
 class RecordWriter:
-    """Appends records to ``run_dir/records.jsonl``, one flushed line per request."""
+    """Appends records to ``run_dir/records.jsonl`` (or another file name), one flushed line per request."""
 
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / RECORDS_JSONL
+    def __init__(self, run_dir: Path, name: str = RECORDS_JSONL):
+        self.path = Path(run_dir) / name
         self._file = open(self.path, "ab")  # noqa: SIM115 - kept open for the run
         self.count = 0
 
@@ -115,6 +117,37 @@ def read_jsonl_records(path: Path) -> list[dict[str, Any]]:
             except orjson.JSONDecodeError:
                 continue
     return rows
+
+
+def spill_name(worker_id: str) -> str:
+    """A worker's spill file name under ``SPILL_DIR``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", worker_id) + ".jsonl"
+
+
+def merge_spills(run_dir: Path, have: set[int]) -> list[dict[str, Any]]:
+    """Appends to records.jsonl every record in ``run_dir/spill/*.jsonl`` whose index is not in ``have``
+    (updated); returns the records added. A request is recorded once even if several files hold it."""
+    spill = Path(run_dir) / SPILL_DIR
+    files = sorted(spill.glob("*.jsonl")) if spill.is_dir() else []
+    added: list[dict[str, Any]] = []
+    if not files:
+        return added
+    with open(Path(run_dir) / RECORDS_JSONL, "ab") as out:
+        for path in files:
+            for row in read_jsonl_records(path):
+                index = row.get("index")
+                if isinstance(index, int) and index not in have:
+                    have.add(index)
+                    out.write(orjson.dumps(row) + b"\n")
+                    added.append(row)
+        out.flush()
+        os.fsync(out.fileno())
+    return added
+
+
+def recorded_indices(run_dir: Path) -> set[int]:
+    jsonl = Path(run_dir) / RECORDS_JSONL
+    return {row["index"] for row in read_jsonl_records(jsonl) if "index" in row} if jsonl.exists() else set()
 
 
 def load_records(run_dir: Path):

@@ -267,6 +267,13 @@ def _get(mapping: Any, *keys: str) -> Any:
     return mapping
 
 
+def _count_by(items: list[dict[str, Any]], key: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[str(item.get(key))] = out.get(str(item.get(key)), 0) + 1
+    return out
+
+
 def describe_load(manifest: dict[str, Any]) -> tuple[str, int | None, float | None]:
     """(load model in words, max_concurrency, request_rate): the load the run applied (manifest "load",
     e.g. Locust's -u), else the profile's."""
@@ -435,8 +442,10 @@ def compute_summary(df: pd.DataFrame | None, manifest: dict[str, Any] | None) ->
     complete = manifest.get("complete")
     complete = bool(complete) if isinstance(complete, bool) else None
     measured_requests = int(measured.sum())
+    lost = [x for x in manifest.get("lost_in_flight") or [] if isinstance(x, dict)]
+    lost_measured = sum(1 for x in lost if x.get("phase") == "measure")
     partial = complete is not True or (
-        expected_measured is not None and measured_requests < expected_measured
+        expected_measured is not None and measured_requests + lost_measured < expected_measured
     )
     profile = manifest.get("profile") if isinstance(manifest.get("profile"), dict) else {}
 
@@ -458,6 +467,10 @@ def compute_summary(df: pd.DataFrame | None, manifest: dict[str, Any] | None) ->
         "warmup_requests": int(warmup.sum()),
         "measured_requests": measured_requests,
         "expected_measured": expected_measured,
+        "lost_in_flight": len(lost),
+        "lost_in_flight_measured": lost_measured,
+        "lost_in_flight_by_worker": _count_by(lost, "worker"),
+        "load_generators": len(manifest.get("load_generators") or []) or 1,
         "completed": completed,
         "failed": int(not_ok.sum()),
         "failures": failures,

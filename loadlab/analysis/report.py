@@ -94,6 +94,14 @@ def render_markdown(s: dict[str, Any]) -> str:
             else str(s.get("measured_requests"))
         )
         lines += [f"> **Partial run**: {why}; {got} measured requests recorded.", ""]
+    if s.get("lost_in_flight"):
+        by = ", ".join(f"{n} on {w}" for w, n in sorted(s.get("lost_in_flight_by_worker", {}).items()))
+        lines += [
+            f"> **{s['lost_in_flight']} requests lost in flight** ({s.get('lost_in_flight_measured', 0)} of them "
+            f"measured) on load generators that went away: {by}. They reached the server but have no record; "
+            "every request that completed is in the records.",
+            "",
+        ]
 
     target = s.get("target_url") or "unknown"
     if s.get("api"):

@@ -18,6 +18,7 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from loadlab.cliargs import EXIT_BAD_INPUT
 from loadlab.profile import ProfileError, load_profile
+from loadlab.swarm.distributed import Coordinator, WorkerAgent
 from loadlab.swarm.options import add_loadlab_arguments, check_load_model, overrides_from_options
 from loadlab.swarm.run import Run
 from loadlab.swarm.users import SGLangUser
@@ -105,19 +106,32 @@ def _on_init(environment, runner, **_kw):
     # inside whichever user greenlet happens to be running when the signal arrives.
     main = gevent.getcurrent()
     gevent.signal_handler(signal.SIGINT, lambda: main.throw(KeyboardInterrupt()))
-    if isinstance(runner, MasterRunner | WorkerRunner):
-        _fail("distributed mode (--master/--worker) is not supported yet; run one process", EXIT_BAD_INPUT)
+    environment.loadlab_session = environment.loadlab_run = environment.loadlab_coordinator = None
+    if isinstance(runner, WorkerRunner):
+        # A worker gets the resolved profile and the target from the master when a run starts.
+        try:
+            _check_out_dir(environment.parsed_options.out)
+        except ProfileError as e:
+            _fail(str(e), EXIT_BAD_INPUT)
+        environment.loadlab_agent = WorkerAgent(environment)
+        return
     try:
         environment.loadlab_session = _Session(environment)
     except ProfileError as e:
         _fail(str(e), EXIT_BAD_INPUT)
     except TargetError as e:
         _fail(str(e), EXIT_TARGET)
+    if isinstance(runner, MasterRunner):
+        environment.loadlab_coordinator = Coordinator(environment)
+        # Users of a worker that dies are started again on the others (Locust's rebalancing).
+        environment.parsed_options.enable_rebalancing = True
 
 
 @events.test_start.add_listener
 def _on_test_start(environment, **_kw):
     session = environment.loadlab_session
+    if session is None:  # a worker: the run arrives from the master
+        return
     opts = environment.parsed_options
     try:
         if environment.host != session.target_info["url"]:  # changed in the web UI
@@ -137,9 +151,13 @@ def _on_test_start(environment, **_kw):
     except (TargetError, OSError) as e:
         log.error("loadlab: cannot start the run: %s", e)
         session.run = environment.loadlab_run = None
-        gevent.spawn(_end, environment)
+        gevent.spawn(end_run, environment)
         return
     session.run = environment.loadlab_run = run
+    coordinator = environment.loadlab_coordinator
+    if coordinator is not None:
+        run.coordinator = coordinator
+        coordinator.start_run(run, environment.host)
     log.info("loadlab: run directory %s", run.dir)
     gevent.spawn(_stop_when_done, environment, run)
     gevent.spawn(_show_progress, run)
@@ -159,20 +177,29 @@ def _show_progress(run: Run) -> None:
 def _stop_when_done(environment, run: Run) -> None:
     """Ends the run by itself once every measured request has finished (no -t needed)."""
     run.tickets.all_done.wait()
-    _end(environment)
+    end_run(environment)
 
 
-def _end(environment) -> None:
+def end_run(environment) -> None:
+    """The run is over (done, or it cannot go on): collect every worker's last records, then stop."""
+    _drain(environment)
     if environment.parsed_options.headless:
         environment.runner.quit()
     else:
         environment.runner.stop()  # the web UI stays up for the next run
 
 
+def _drain(environment) -> None:
+    coordinator = getattr(environment, "loadlab_coordinator", None)
+    if coordinator is not None:
+        coordinator.drain()
+
+
 @events.test_stop.add_listener
 def _on_test_stop(environment, **_kw):
     session = getattr(environment, "loadlab_session", None)
     if session is not None and session.run is not None:
+        _drain(environment)
         session.run.finalize()
 
 
@@ -180,7 +207,11 @@ def _on_test_stop(environment, **_kw):
 def _on_quitting(environment, **_kw):
     session = getattr(environment, "loadlab_session", None)
     if session is None:
+        agent = getattr(environment, "loadlab_agent", None)
+        if agent is not None and agent.run is not None:
+            agent.run.close()
         return
+    _drain(environment)
     # Locust fires quitting before it stops the users (Ctrl-C, SIGTERM): stop them first, so in-flight
     # requests are recorded as cancelled and test_stop finalizes the run with every record in it.
     if environment.runner is not None:

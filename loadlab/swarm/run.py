@@ -7,9 +7,9 @@ traffic; the cost is that the in-flight count dips while the last warm-up reques
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
-import socket
 import sys
 import time
 import uuid
@@ -24,13 +24,17 @@ from loadlab.profile import Profile
 from loadlab.records import (
     MEASURE,
     OK,
+    SPILL_DIR,
     WARMUP,
     RecordWriter,
     default_run_name,
+    merge_spills,
+    read_jsonl_records,
     unique_run_name,
     write_manifest,
     write_parquet,
 )
+from loadlab.swarm.distributed import worker_id
 
 log = logging.getLogger("loadlab")
 
@@ -103,8 +107,11 @@ class Run:
         # SGLang keys requests by rid: a random part keeps two load generators started alike apart.
         self.rid_prefix = f"{self.run_id}-{uuid.uuid4().hex[:8]}"
         self.writer = RecordWriter(self.dir)
-        self.worker_id = f"{socket.gethostname()}:{_pid()}"
+        self.worker_id = worker_id()
         self.outcomes: dict[str, int] = {}
+        self.indices: set[int] = set()  # recorded
+        self.lost: dict[int, dict[str, Any]] = {}  # index -> phase and worker, for requests lost in flight
+        self.coordinator = None  # the master's, in a distributed run
         self.finalized = False
         self.manifest: dict[str, Any] = {
             "run_id": self.run_id,
@@ -133,9 +140,21 @@ class Run:
         if self.finalized:  # cannot happen when the run is stopped before it is finalized; say so if it does
             log.error("loadlab: request %d ended after the run was finalized; not in the records", rec.index)
             return
+        if rec.index in self.indices:
+            log.error("loadlab: request %d recorded twice; the second record is dropped", rec.index)
+            return
         self.writer.write(rec)
+        self.indices.add(rec.index)
         self.outcomes[rec.outcome] = self.outcomes.get(rec.outcome, 0) + 1
-        self.tickets.finished(rec.phase)
+        if self.lost.pop(rec.index, None) is None:  # a request given up as lost is already counted
+            self.tickets.finished(rec.phase)
+
+    def lose(self, index: int, phase: str, worker: str) -> None:
+        """A request handed to a worker that went away before recording it (distributed runs)."""
+        if index in self.indices or index in self.lost:
+            return
+        self.lost[index] = {"phase": phase, "worker": worker}
+        self.tickets.finished(phase)
 
     def progress(self) -> str:
         """One line: where the run is, what failed, and when it should end."""
@@ -162,6 +181,7 @@ class Run:
             return None
         self.finalized = True
         self.writer.close()
+        recovered = self._merge_spills()
         write_parquet(self.dir)
         t = self.tickets
         self.manifest.update(
@@ -171,28 +191,52 @@ class Run:
                 **self.manifest["counts"],
                 "warmup_finished": t.warmup_finished,
                 "measured_finished": t.measured_finished,
-                "records": self.writer.count,
+                "records": self.writer.count + recovered,
                 "outcomes": self.outcomes,
+                "lost_in_flight": len(self.lost),
+                "recovered_from_spills": recovered,
             },
+            lost_in_flight=[{"index": i, **v} for i, v in sorted(self.lost.items())],
         )
+        if self.coordinator is not None:
+            self.manifest["load_generators"] = self.coordinator.load_generators()
+            if self.coordinator.failure:
+                self.manifest["failure"] = self.coordinator.failure
         write_manifest(self.dir, self.manifest)
         from loadlab.analysis.report import write_report
 
         summary = write_report(self.dir)
         state = "complete" if self.complete else "PARTIAL (stopped before every request finished)"
         ok = self.outcomes.get(OK, 0)
+        lost = f", {len(self.lost)} lost in flight" if self.lost else ""
         print(
-            f"loadlab: run {state}: {ok} ok / {self.writer.count} requests; report {self.dir / 'summary.md'}",
+            f"loadlab: run {state}: {ok} ok / {self.writer.count + recovered} requests{lost}; "
+            f"report {self.dir / 'summary.md'}",
             file=sys.stderr,
             flush=True,
         )
         return summary
 
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
+    def _merge_spills(self) -> int:
+        """Records that only workers' spill files hold (a worker that died before shipping them, on this
+        host) join the run; spill files whose records are all in the run are then removed."""
+        added = merge_spills(self.dir, self.indices)
+        for row in added:
+            if self.lost.pop(row["index"], None) is not None:
+                log.warning(
+                    "loadlab: request %d, given up as lost, was recovered from a spill file", row["index"]
+                )
+            else:
+                self.tickets.finished(row["phase"])
+            self.outcomes[row["outcome"]] = self.outcomes.get(row["outcome"], 0) + 1
+        spill = self.dir / SPILL_DIR
+        if spill.is_dir():
+            for path in spill.glob("*.jsonl"):
+                if {row["index"] for row in read_jsonl_records(path)} <= self.indices:
+                    path.unlink()
+            with contextlib.suppress(OSError):
+                spill.rmdir()
+        return len(added)
 
 
 def _versions() -> dict[str, str]:

@@ -13,7 +13,7 @@ from locust.exception import StopUser
 
 from loadlab.client.request import new_exchange, send, to_record
 from loadlab.client.stream import StreamingClient
-from loadlab.records import CLIENT_ERROR, OK, WARMUP, RequestRecord
+from loadlab.records import CANCELLED, CLIENT_ERROR, OK, WARMUP, RequestRecord
 
 CONNECT_TIMEOUT_S = 10.0
 log = logging.getLogger("loadlab")
@@ -73,11 +73,9 @@ class SGLangUser(User):
             log.exception("loadlab: request %d failed inside loadlab", index)
             rec = rec or self._error_record(index, phase, spec, ex, e)
         finally:
-            # Every ticket ends with a record (or, if never sent, at least ends), so the run cannot hang.
-            if rec is not None:
-                run.record(rec)
-            else:
-                run.tickets.finished(phase)
+            # Every ticket ends with exactly one record, so the run cannot hang and a master can account for
+            # every index it handed out.
+            run.record(rec if rec is not None else self._unsent_record(index, phase, spec))
 
     def _to_record(self, ex, spec, phase: str, cancelled: bool = False):
         run = self.run
@@ -95,6 +93,15 @@ class SGLangUser(User):
             input_len=spec.input_len if spec is not None else 0,
             max_new_tokens=spec.max_new_tokens if spec is not None else 0,
             outcome=CLIENT_ERROR, error=f"loadlab failed on this request: {error!r}",
+        )  # fmt: skip
+
+    def _unsent_record(self, index: int, phase: str, spec) -> RequestRecord:
+        run = self.run
+        return RequestRecord(
+            index=index, phase=phase, api=run.api, worker_id=run.worker_id, user_id=self.user_id,
+            t_send_wall=time.time(), input_len=spec.input_len if spec is not None else 0,
+            max_new_tokens=spec.max_new_tokens if spec is not None else 0,
+            outcome=CANCELLED, error="the run stopped before the request was sent",
         )  # fmt: skip
 
     def _feed_live_stats(self, rec) -> None:

@@ -1,0 +1,193 @@
+"""Distributed runs: a real Locust master and real workers on 127.0.0.1 against the embedded twin.
+
+Exact request counts across workers, warm-up before measured, a worker killed mid-run, the master killed
+mid-run, clocks in the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loadlab.cli import _free_port
+from loadlab.records import SPILL_DIR, read_jsonl_records, spill_name
+
+REPO = Path(__file__).resolve().parents[1]
+LOCUSTFILE = REPO / "loadlab" / "swarm" / "locustfile.py"
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+PROFILE = """\
+name: dist
+seed: 3
+target:
+  url: embedded
+  embedded: {{gpu: h100-80gb}}
+load: {{model: closed, concurrency: 8}}
+requests: {{warmup: {warmup}, measured: {measured}}}
+workload: {{kind: rag, input_len: 128, output_len: {output_len}, instruction_len: 16, question_len: 16,
+           passages_per_prompt: 2, corpus_size: 200, zipf_s: 1.1}}
+"""
+
+
+def write_profile(tmp_path: Path, warmup: int, measured: int, output_len: int) -> Path:
+    path = tmp_path / "profile.yaml"
+    path.write_text(PROFILE.format(warmup=warmup, measured=measured, output_len=output_len))
+    return path
+
+
+def start_master(tmp_path: Path, profile: Path, port: int, workers: int = 2) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--master", "--headless", "--only-summary",
+           "--expect-workers", str(workers), "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port),
+           "--profile-file", str(profile), "--out", str(tmp_path / "out"), "--run-name", "run"]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=open(tmp_path / "master.log", "wb"),  # noqa: SIM115
+                            stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def start_worker(tmp_path: Path, port: int, out: str, n: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--worker", "--master-host", "127.0.0.1",
+           "--master-port", str(port), "--out", str(tmp_path / out)]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=open(tmp_path / f"worker{n}.log", "wb"),  # noqa: SIM115
+                            stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def wait_for_records(path: Path, at_least: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(read_jsonl_records(path)) >= at_least:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {at_least} records in {path} after {timeout} s")
+
+
+def logs(tmp_path: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
+
+
+def test_two_workers_send_every_index_once_with_warmup_first(tmp_path):
+    profile = write_profile(tmp_path, warmup=8, measured=64, output_len=16)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "loadlab", "run", str(profile), "--workers", "2", "--out", str(out),
+         "--run-name", "run"],
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = out / "run"
+    assert done.stdout.strip().splitlines()[-1] == str(run)
+    rows = read_jsonl_records(run / "records.jsonl")
+    assert sorted(r["index"] for r in rows) == list(range(72))  # no duplicate, no missing index
+    assert all(r["outcome"] == "ok" for r in rows)
+    assert {r["phase"] for r in rows if r["index"] < 8} == {"warmup"}
+    assert {r["phase"] for r in rows if r["index"] >= 8} == {"measure"}
+    # The warm-up barrier holds across workers: no measured request left before every warm-up ended.
+    warmup_end = max(r["t_send_wall"] + r["e2e_ms"] / 1000 for r in rows if r["phase"] == "warmup")
+    assert min(r["t_send_wall"] for r in rows if r["phase"] == "measure") >= warmup_end - 0.005
+    workers = {r["worker_id"] for r in rows}
+    assert len(workers) == 2
+    manifest = json.loads((run / "manifest.json").read_text())
+    gens = {g["worker_id"]: g for g in manifest["load_generators"]}
+    assert set(gens) == workers
+    for g in gens.values():  # same machine: the offset estimate is near zero and the round trip short
+        assert abs(g["clock_offset_s"]) < 0.02 and 0 < g["rtt_s"] < 0.1, g
+        assert g["lost_in_flight"] == 0 and g["record_batches_missing"] == 0
+    assert sum(g["records"] for g in gens.values()) == 72
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["measured_requests"] == 64 and not summary["partial"] and summary["lost_in_flight"] == 0
+    assert not (run / SPILL_DIR).exists()  # spills merged (nothing missing) and removed
+
+
+def test_a_killed_worker_costs_only_its_requests_in_flight(tmp_path):
+    profile = write_profile(tmp_path, warmup=4, measured=160, output_len=64)
+    port = _free_port()
+    master = start_master(tmp_path, profile, port)
+    workers = [start_worker(tmp_path, port, "worker-out", n) for n in range(2)]
+    try:
+        records = tmp_path / "out" / "run" / "records.jsonl"
+        wait_for_records(records, 40)
+        victim = workers[0]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(5)
+        assert master.wait(120) == 0, logs(tmp_path)
+    finally:
+        for p in [master, *workers]:
+            if p.poll() is None:
+                p.kill()
+    run = tmp_path / "out" / "run"
+    rows = read_jsonl_records(run / "records.jsonl")
+    manifest = json.loads((run / "manifest.json").read_text())
+    lost = manifest["lost_in_flight"]
+    indices = [r["index"] for r in rows]
+    assert len(indices) == len(set(indices))  # no duplicates
+    assert sorted(indices + [x["index"] for x in lost]) == list(range(164))  # every index accounted for
+    assert 1 <= len(lost) <= 8  # at most the users the dead worker had in flight
+    assert manifest["counts"]["lost_in_flight"] == len(lost) and manifest["complete"] is True
+    # Every request that completed on the killed worker is in the run's records.
+    (dead_id,) = {x["worker"] for x in lost}
+    dead_rows = read_jsonl_records(tmp_path / "worker-out" / "run" / SPILL_DIR / spill_name(dead_id))
+    assert dead_rows and {r["index"] for r in dead_rows} <= set(indices)
+    assert {r["worker_id"] for r in dead_rows} == {dead_id}
+    gens = {g["worker_id"]: g for g in manifest["load_generators"]}
+    assert gens[dead_id]["gone"] is True and gens[dead_id]["lost_in_flight"] == len(lost)
+    summary_md = (run / "summary.md").read_text()
+    assert f"{len(lost)} requests lost in flight" in summary_md and dead_id in summary_md
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["lost_in_flight"] == len(lost) and not summary["partial"]
+
+
+def test_a_killed_master_stops_workers_and_spills_recover_every_record(tmp_path):
+    profile = write_profile(tmp_path, warmup=4, measured=400, output_len=64)
+    port = _free_port()
+    master = start_master(tmp_path, profile, port)
+    workers = [start_worker(tmp_path, port, "out", n) for n in range(2)]  # same --out: spills in the run dir
+    try:
+        run = tmp_path / "out" / "run"
+        wait_for_records(run / "records.jsonl", 30)
+        master.send_signal(signal.SIGKILL)
+        master.wait(5)
+        t_kill = time.monotonic()
+        for w in workers:
+            w.wait(30)
+        stopped_after = time.monotonic() - t_kill
+    finally:
+        for p in [master, *workers]:
+            if p.poll() is None:
+                p.kill()
+    assert stopped_after < 25, logs(tmp_path)  # MASTER_LOST_S (10 s) + heartbeats + shutdown
+    assert all(w.returncode == 1 for w in workers), logs(tmp_path)
+    spilled = {}
+    for path in (run / SPILL_DIR).glob("*.jsonl"):
+        for r in read_jsonl_records(path):
+            spilled[r["index"]] = r
+    assert len(spilled) >= 30
+    done = subprocess.run([sys.executable, "-m", "loadlab", "report", str(run)], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = read_jsonl_records(run / "records.jsonl")
+    indices = [r["index"] for r in rows]
+    assert len(indices) == len(set(indices))
+    assert set(indices) == set(spilled)  # every completed request, once
+    assert sum(1 for r in rows if r["outcome"] == "ok") == sum(
+        1 for r in spilled.values() if r["outcome"] == "ok"
+    )
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["partial"] is True and summary["measured_requests"] == sum(
+        1 for r in spilled.values() if r["phase"] == "measure"
+    )
+
+
+@pytest.mark.parametrize("flag", [["--master-host", "127.0.0.1"]])
+def test_master_host_needs_workers(tmp_path, flag):
+    profile = write_profile(tmp_path, warmup=0, measured=1, output_len=4)
+    done = subprocess.run([sys.executable, "-m", "loadlab", "run", str(profile), *flag], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (
+        done.returncode == 2
+        and done.stderr.strip() == "loadlab: --master-host: only with --workers N (the workers to start)"
+    )
