@@ -191,3 +191,35 @@ def test_master_host_needs_workers(tmp_path, flag):
         done.returncode == 2
         and done.stderr.strip() == "loadlab: --master-host: only with --workers N (the workers to start)"
     )
+
+
+def test_a_worker_that_cannot_reach_the_target_fails_the_run_loudly(tmp_path):
+    """The master can reach the target when it starts; by the time the workers join it is gone."""
+    from loadlab.target import EmbeddedServer
+
+    server = EmbeddedServer({"gpu": "h100-80gb"})
+    url = server.start()
+    profile = write_profile(tmp_path, warmup=0, measured=8, output_len=4)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--master", "--headless", "--expect-workers",
+           "1", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port), "--profile-file",
+           str(profile), "--host", url, "--out", str(tmp_path / "out"), "--run-name", "run"]  # fmt: skip
+    master = subprocess.Popen(
+        cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    worker = None
+    try:
+        time.sleep(4)  # the master has probed the target and waits for its worker
+        server.stop()
+        worker = start_worker(tmp_path, port, "out", 0)
+        status = master.wait(60)
+        output = master.stdout.read()
+    finally:
+        for p in (master, worker):
+            if p is not None and p.poll() is None:
+                p.kill()
+        server.stop()
+    assert status == 3, output[-3000:]
+    assert f"cannot reach {url}" in output or "cannot reach" in output, output[-3000:]
+    lines = [line for line in output.splitlines() if "loadlab: worker" in line and "ERROR" in line]
+    assert lines, output[-3000:]

@@ -90,14 +90,22 @@ class Coordinator:
             ("loadlab_failed", self._on_failed),
         ):
             self.runner.register_message(name, handler)
+        environment.events.worker_connect.add_listener(self._on_worker_connect)
         gevent.spawn(self._watch_workers)
 
     # -- the run ----------------------------------------------------------------------------------------
     def start_run(self, run, target_url: str) -> None:
         self.run = run
+        self.target_url = target_url
         self.drain_done = False
         self.drained = {}
         run.manifest["load_generators"] = self.load_generators()
+        self._send_run(None)
+
+    def _send_run(self, worker: str | None) -> None:
+        """The run, to every worker (None) or to one that joins while it runs (before Locust gives it
+        users: messages to a worker arrive in order)."""
+        run = self.run
         self.runner.send_message(
             "loadlab_run",
             {
@@ -105,11 +113,16 @@ class Coordinator:
                 "rid_prefix": run.rid_prefix,
                 "profile": run.manifest["profile"],
                 "profile_path": run.manifest["profile_path"],
-                "target_url": target_url,
+                "target_url": self.target_url,
                 "model": run.model,
                 "manifest": run.manifest,
             },
+            client_id=worker,
         )
+
+    def _on_worker_connect(self, client_id: str, **_kw) -> None:
+        if self.run is not None and not self.run.finalized:
+            self._send_run(client_id)
 
     def load_generators(self) -> list[dict[str, Any]]:
         """Per worker: clock offset, records received, requests lost in flight on it."""

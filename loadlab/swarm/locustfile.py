@@ -219,6 +219,8 @@ def _on_quitting(environment, **_kw):
     run = session.run
     if run is not None:
         run.finalize()
-        # Failed requests are data, not a failed run: exit 0 when the run completed, 1 when it was cut short.
-        environment.process_exit_code = 0 if run.complete else 1
+        # Failed requests are data, not a failed run: exit 0 when the run completed, 1 when it was cut short
+        # (unless a worker already set the status: 3 when it could not reach the target).
+        if environment.process_exit_code is None:
+            environment.process_exit_code = 0 if run.complete else 1
     session.stop_embedded()

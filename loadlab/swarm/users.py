@@ -33,6 +33,8 @@ class SGLangUser(User):
 
     def on_start(self) -> None:
         self.run = self.environment.loadlab_run
+        if self.run is None:  # the run could not start (the reason is logged): nothing to send
+            raise StopUser()
         target = self.run.profile.target
         self.user_id = next(_user_ids)
         self.client = StreamingClient(
@@ -40,7 +42,9 @@ class SGLangUser(User):
         )
 
     def on_stop(self) -> None:
-        self.client.close()
+        client = getattr(self, "client", None)  # none if on_start stopped the user
+        if client is not None:
+            client.close()
 
     @task
     def one_request(self) -> None:

@@ -1,0 +1,202 @@
+"""Benchmark: one process vs a master and N workers on this machine (not a test; results in bench/RESULTS.md)
+
+Starts the scripted server once (loadlab/sim/scripted.py: first event TTFT ms after the request, then one
+every GAP ms, each write logged with its wall-clock time), then for each (workers, users) runs
+`loadlab run tests/profiles/timing.yaml` against it (workers 0 = one Locust process, N = `--workers N`: a
+master plus N worker processes), and prints per run:
+
+  events/s   streamed events the client received in the measured window (sum of events of the measured
+             requests / (last measured arrival - first measured send)); "ideal" is what the closed loop
+             would reach with a zero-cost client: users * tokens / (TTFT + (tokens - 1) * GAP)
+  TTFT err   |client TTFT - (server's first write - client send)|, ms, P50/P95/P99/max
+  ITL err    |client gap between events - server gap between the same writes|, ms, P50/P95/P99/max
+  CPU        % of one core over the same measured window, from /proc/<pid>/stat (utime + stime) sampled
+             every 0.1 s and interpolated at the window's ends: "client" = every Locust process of the run
+             (the single process, or master + workers), "master" = the master alone (it runs no users),
+             "server" = the scripted server. The `loadlab run` launcher only waits and is left out; so are
+             start-up and the writing of the report.
+
+    python bench/distributed.py [--workers 0 1 2] [--users 64 256] [--requests-per-user 6] [--tokens 64]
+                                [--ttft-ms 50] [--gap-ms 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from loadlab.records import load_records
+from loadlab.sim.scripted import read_log, timing_errors
+from loadlab.target import ServerProcess
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILE = REPO / "tests" / "profiles" / "timing.yaml"
+TICKS = os.sysconf("SC_CLK_TCK")
+SAMPLE_S = 0.1
+
+
+def stats(values) -> str:
+    mags = np.abs(np.asarray(values, dtype=float))
+    if not mags.size:
+        return "n=0"
+    p50, p95, p99 = np.percentile(mags, [50, 95, 99])
+    return f"{p50:5.2f} {p95:5.2f} {p99:5.2f} {mags.max():6.2f}"
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of one process, or None when it has gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS  # fields 14 and 15 of stat(5)
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def role(pid: int) -> str | None:
+    """'single', 'master' or 'worker' for a Locust process of the run; None for anything else."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return None
+    if b"locust" not in argv:
+        return None
+    if b"--master" in argv:
+        return "master"
+    if b"--worker" in argv:
+        return "worker"
+    return "single"
+
+
+class CpuSampler:
+    """Samples the CPU time of the Locust processes below ``root`` (and of ``server``) every SAMPLE_S."""
+
+    def __init__(self, root: int, server: int):
+        self.root = root
+        self.server = server
+        self.roles: dict[int, str] = {}
+        self.samples: dict[int, list[tuple[float, float]]] = {server: []}  # pid -> [(wall, cpu s)]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            for pid in children(self.root):
+                if pid not in self.roles:
+                    self.roles[pid] = role(pid) or "other"
+                    self.samples.setdefault(pid, [])
+            for pid, series in self.samples.items():
+                now = time.time()
+                cpu = cpu_seconds(pid)
+                if cpu is not None:
+                    series.append((now, cpu))
+            self.stop.wait(SAMPLE_S)
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def used(self, pid: int, t0: float, t1: float) -> float:
+        """CPU seconds of ``pid`` between wall times t0 and t1 (linear between samples)."""
+        series = self.samples.get(pid) or []
+        if len(series) < 2:
+            return float("nan")
+        walls, cpus = zip(*series, strict=True)
+        return float(np.interp(t1, walls, cpus) - np.interp(t0, walls, cpus))
+
+    def percent(self, roles: set[str], t0: float, t1: float) -> float:
+        pids = [p for p, r in self.roles.items() if r in roles]
+        if not pids:
+            return float("nan")
+        return 100.0 * sum(self.used(p, t0, t1) for p in pids) / (t1 - t0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="0 = one process")
+    parser.add_argument("--users", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--requests-per-user", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--ttft-ms", type=float, default=50.0)
+    parser.add_argument("--gap-ms", type=float, default=10.0)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="loadlab-bench-"))
+    log = work / "server.jsonl"
+    server = ServerProcess(
+        [sys.executable, "-m", "loadlab.sim.scripted", "--port", "0", "--log", str(log),
+         "--ttft-ms", str(args.ttft_ms), "--gap-ms", str(args.gap_ms)]
+    )  # fmt: skip
+    server.start()
+    print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, {time.ctime()}")
+    print(f"# case normal, TTFT {args.ttft_ms} ms, gap {args.gap_ms} ms, {args.tokens} tokens/request, "
+          f"{args.requests_per_user} measured requests/user (+1 warm-up); CPU in % of one core")  # fmt: skip
+    print("workers users  ideal ev/s  events/s   |TTFT err| p50 p95 p99 max   |ITL err| p50 p95 p99 max"
+          "   client CPU  master CPU  server CPU  load1")  # fmt: skip
+    try:
+        for users in args.users:
+            for workers in args.workers:
+                measured = users * args.requests_per_user
+                cmd = [sys.executable, "-m", "loadlab.cli", "run", str(PROFILE),
+                       "--host", f"{server.url}/case/normal", "--out", str(work / "runs"),
+                       "--concurrency", str(users), "--warmup-requests", str(users),
+                       "--num-requests", str(measured), "--output-len", str(args.tokens)]  # fmt: skip
+                if workers:
+                    cmd += ["--workers", str(workers)]
+                proc = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+                )
+                sampler = CpuSampler(proc.pid, server.proc.pid)
+                out, err = proc.communicate()
+                sampler.finish()
+                if proc.returncode != 0:
+                    print(err[-2000:], file=sys.stderr)
+                    return 1
+                records = load_records(Path(out.strip().splitlines()[-1]))
+                measure = records[records.phase == "measure"]
+                ttft, itl, problems = timing_errors(measure, read_log(log))
+                if problems:
+                    print(f"# {len(problems)} join problems, e.g. {problems[0]}", file=sys.stderr)
+                ok = measure[measure.outcome == "ok"]
+                if len(ok) != measured:
+                    print(f"# only {len(ok)} of {measured} measured requests ok", file=sys.stderr)
+                t0 = float(measure.t_send_wall.min())
+                t1 = max(float(r.t_send_wall) + float(r.arrival_ms[-1]) / 1000.0 for r in ok.itertuples())
+                events = sum(len(a) for a in ok.arrival_ms)
+                ideal = users * args.tokens * 1000.0 / (args.ttft_ms + (args.tokens - 1) * args.gap_ms)
+                client = sampler.percent({"single", "master", "worker"}, t0, t1)
+                master = sampler.percent({"master"}, t0, t1)
+                srv = 100.0 * sampler.used(server.proc.pid, t0, t1) / (t1 - t0)
+                mcpu = f"{master:9.0f}%" if workers else f"{'-':>10}"
+                print(f"{workers:7d} {users:5d} {ideal:11,.0f} {events / (t1 - t0):9,.0f}   {stats(ttft)}"
+                      f"   {stats(itl)}   {client:9.0f}%  {mcpu}  {srv:9.0f}%  {os.getloadavg()[0]:5.2f}",
+                      flush=True)  # fmt: skip
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
