@@ -154,7 +154,7 @@ def main() -> int:
     print(f"# case normal, TTFT {args.ttft_ms} ms, gap {args.gap_ms} ms, {args.tokens} tokens/request, "
           f"{args.requests_per_user} measured requests/user (+1 warm-up); CPU in % of one core")  # fmt: skip
     print("workers users  ideal ev/s  events/s   |TTFT err| p50 p95 p99 max   |ITL err| p50 p95 p99 max"
-          "   client CPU  master CPU  server CPU  load1")  # fmt: skip
+          "   client CPU  master CPU  server CPU  load1  records per process")  # fmt: skip
     try:
         for users in args.users:
             for workers in args.workers:
@@ -190,8 +190,9 @@ def main() -> int:
                 master = sampler.percent({"master"}, t0, t1)
                 srv = 100.0 * sampler.used(server.proc.pid, t0, t1) / (t1 - t0)
                 mcpu = f"{master:9.0f}%" if workers else f"{'-':>10}"
+                split = "/".join(str(n) for n in measure.groupby("worker_id").size())
                 print(f"{workers:7d} {users:5d} {ideal:11,.0f} {events / (t1 - t0):9,.0f}   {stats(ttft)}"
-                      f"   {stats(itl)}   {client:9.0f}%  {mcpu}  {srv:9.0f}%  {os.getloadavg()[0]:5.2f}",
+                      f"   {stats(itl)}   {client:9.0f}%  {mcpu}  {srv:9.0f}%  {os.getloadavg()[0]:5.2f}  {split}",
                       flush=True)  # fmt: skip
     finally:
         server.stop()
