@@ -223,3 +223,34 @@ def test_a_worker_that_cannot_reach_the_target_fails_the_run_loudly(tmp_path):
     assert f"cannot reach {url}" in output or "cannot reach" in output, output[-3000:]
     lines = [line for line in output.splitlines() if "loadlab: worker" in line and "ERROR" in line]
     assert lines, output[-3000:]
+
+
+def test_ctrl_c_on_the_master_collects_every_workers_in_flight_requests(tmp_path):
+    profile = write_profile(tmp_path, warmup=4, measured=400, output_len=64)
+    port = _free_port()
+    master = start_master(tmp_path, profile, port)
+    workers = [start_worker(tmp_path, port, "worker-out", n) for n in range(2)]
+    try:
+        run = tmp_path / "out" / "run"
+        wait_for_records(run / "records.jsonl", 30)
+        time.sleep(0.3)  # mid-wave: requests are in flight on both workers
+        master.send_signal(signal.SIGINT)
+        assert master.wait(60) == 1, logs(tmp_path)  # cut short
+        for w in workers:
+            w.wait(30)
+    finally:
+        for p in [master, *workers]:
+            if p.poll() is None:
+                p.kill()
+    rows = read_jsonl_records(run / "records.jsonl")
+    indices = [r["index"] for r in rows]
+    assert len(indices) == len(set(indices)) and sorted(indices) == list(range(len(indices)))
+    cancelled = [r for r in rows if r["outcome"] == "cancelled"]
+    assert cancelled, "the in-flight requests should be recorded as cancelled"
+    assert len({r["worker_id"] for r in cancelled}) == 2  # both workers' last batches arrived
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["counts"]["lost_in_flight"] == 0
+    # Everything each worker spilled is in the run's records.
+    spilled = {r["index"] for p in (tmp_path / "worker-out" / "run" / SPILL_DIR).glob("*.jsonl")
+               for r in read_jsonl_records(p)}  # fmt: skip
+    assert spilled == set(indices)

@@ -149,7 +149,11 @@ class Coordinator:
 
     def _lease(self, worker: str, request_id: int) -> None:
         run = self.run
-        ticket = run.tickets.take() if run is not None and not run.finalized else None  # may wait (warm-up)
+        # No new leases once the run is draining: a ticket could reach a worker after its last batch.
+        active = run is not None and not run.finalized and not self.drain_done
+        ticket = run.tickets.take() if active else None  # may wait at the warm-up barrier
+        if ticket is not None and self.drain_done:
+            ticket = None
         if ticket is not None:
             index, phase = ticket
             if worker in self.gone:  # went missing while this ticket waited at the warm-up barrier
