@@ -44,12 +44,12 @@ TICKS = os.sysconf("SC_CLK_TCK")
 SAMPLE_S = 0.1
 
 
-def stats(values) -> str:
+def dist(values) -> list[float]:
+    """P50, P95, P99 and max of |values|."""
     mags = np.abs(np.asarray(values, dtype=float))
     if not mags.size:
-        return "n=0"
-    p50, p95, p99 = np.percentile(mags, [50, 95, 99])
-    return f"{p50:5.2f} {p95:5.2f} {p99:5.2f} {mags.max():6.2f}"
+        return [float("nan")] * 4
+    return [*np.percentile(mags, [50, 95, 99]), mags.max()]
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -133,6 +133,67 @@ class CpuSampler:
         return 100.0 * sum(self.used(p, t0, t1) for p in pids) / (t1 - t0)
 
 
+HEADER = (
+    "workers users  ideal ev/s  events/s   |TTFT err| p50 p95 p99 max   |ITL err| p50 p95 p99 max"
+    "   client CPU  master CPU  server CPU  load1  records per process"
+)
+
+
+def line(workers: int, users: int, row: dict) -> str:
+    nums = lambda xs: " ".join(f"{x:5.2f}" for x in xs[:3]) + f" {xs[3]:6.2f}"  # noqa: E731
+    master = f"{row['master']:9.0f}%" if workers else f"{'-':>10}"
+    return (
+        f"{workers:7d} {users:5d} {row['ideal']:11,.0f} {row['events_s']:9,.0f}   {nums(row['ttft'])}"
+        f"   {nums(row['itl'])}   {row['client']:9.0f}%  {master}  {row['server']:9.0f}%"
+        f"  {row['load1']:5.2f}  {row['split']}"
+    )
+
+
+def one_run(args, server: ServerProcess, log: Path, out: Path, workers: int, users: int) -> dict:
+    measured = users * args.requests_per_user
+    cmd = [sys.executable, "-m", "loadlab.cli", "run", str(PROFILE),
+           "--host", f"{server.url}/case/normal", "--out", str(out),
+           "--concurrency", str(users), "--warmup-requests", str(users),
+           "--num-requests", str(measured), "--output-len", str(args.tokens)]  # fmt: skip
+    if workers:
+        cmd += ["--workers", str(workers)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    sampler = CpuSampler(proc.pid, server.proc.pid)
+    stdout, stderr = proc.communicate()
+    sampler.finish()
+    if proc.returncode != 0:
+        raise RuntimeError(f"loadlab run exited {proc.returncode}:\n{stderr[-2000:]}")
+    records = load_records(Path(stdout.strip().splitlines()[-1]))
+    measure = records[records.phase == "measure"]
+    ttft, itl, problems = timing_errors(measure, read_log(log))
+    if problems:
+        print(f"# {len(problems)} join problems, e.g. {problems[0]}", file=sys.stderr)
+    ok = measure[measure.outcome == "ok"]
+    if len(ok) != measured:
+        print(f"# only {len(ok)} of {measured} measured requests ok", file=sys.stderr)
+    t0 = float(measure.t_send_wall.min())
+    t1 = max(float(r.t_send_wall) + float(r.arrival_ms[-1]) / 1000.0 for r in ok.itertuples())
+    return {
+        "ideal": users * args.tokens * 1000.0 / (args.ttft_ms + (args.tokens - 1) * args.gap_ms),
+        "events_s": sum(len(a) for a in ok.arrival_ms) / (t1 - t0),
+        "ttft": dist(ttft),
+        "itl": dist(itl),
+        "client": sampler.percent({"single", "master", "worker"}, t0, t1),
+        "master": sampler.percent({"master"}, t0, t1),
+        "server": 100.0 * sampler.used(server.proc.pid, t0, t1) / (t1 - t0),
+        "load1": os.getloadavg()[0],
+        "split": "/".join(str(n) for n in measure.groupby("worker_id").size()),
+    }
+
+
+def median_row(rows: list[dict]) -> dict:
+    med = {k: float(np.median([r[k] for r in rows])) for k in rows[0] if k not in ("ttft", "itl", "split")}
+    for k in ("ttft", "itl"):
+        med[k] = list(np.median([r[k] for r in rows], axis=0))
+    med["split"] = rows[0]["split"]
+    return med
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="0 = one process")
@@ -141,6 +202,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--ttft-ms", type=float, default=50.0)
     parser.add_argument("--gap-ms", type=float, default=10.0)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every row, interleaved; medians")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="loadlab-bench-"))
@@ -153,49 +215,25 @@ def main() -> int:
     print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, {time.ctime()}")
     print(f"# case normal, TTFT {args.ttft_ms} ms, gap {args.gap_ms} ms, {args.tokens} tokens/request, "
           f"{args.requests_per_user} measured requests/user (+1 warm-up); CPU in % of one core")  # fmt: skip
-    print("workers users  ideal ev/s  events/s   |TTFT err| p50 p95 p99 max   |ITL err| p50 p95 p99 max"
-          "   client CPU  master CPU  server CPU  load1  records per process")  # fmt: skip
+    print(HEADER)
+    rows: dict[tuple[int, int], list[dict]] = {}
     try:
-        for users in args.users:
-            for workers in args.workers:
-                measured = users * args.requests_per_user
-                cmd = [sys.executable, "-m", "loadlab.cli", "run", str(PROFILE),
-                       "--host", f"{server.url}/case/normal", "--out", str(work / "runs"),
-                       "--concurrency", str(users), "--warmup-requests", str(users),
-                       "--num-requests", str(measured), "--output-len", str(args.tokens)]  # fmt: skip
-                if workers:
-                    cmd += ["--workers", str(workers)]
-                proc = subprocess.Popen(
-                    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
-                )
-                sampler = CpuSampler(proc.pid, server.proc.pid)
-                out, err = proc.communicate()
-                sampler.finish()
-                if proc.returncode != 0:
-                    print(err[-2000:], file=sys.stderr)
-                    return 1
-                records = load_records(Path(out.strip().splitlines()[-1]))
-                measure = records[records.phase == "measure"]
-                ttft, itl, problems = timing_errors(measure, read_log(log))
-                if problems:
-                    print(f"# {len(problems)} join problems, e.g. {problems[0]}", file=sys.stderr)
-                ok = measure[measure.outcome == "ok"]
-                if len(ok) != measured:
-                    print(f"# only {len(ok)} of {measured} measured requests ok", file=sys.stderr)
-                t0 = float(measure.t_send_wall.min())
-                t1 = max(float(r.t_send_wall) + float(r.arrival_ms[-1]) / 1000.0 for r in ok.itertuples())
-                events = sum(len(a) for a in ok.arrival_ms)
-                ideal = users * args.tokens * 1000.0 / (args.ttft_ms + (args.tokens - 1) * args.gap_ms)
-                client = sampler.percent({"single", "master", "worker"}, t0, t1)
-                master = sampler.percent({"master"}, t0, t1)
-                srv = 100.0 * sampler.used(server.proc.pid, t0, t1) / (t1 - t0)
-                mcpu = f"{master:9.0f}%" if workers else f"{'-':>10}"
-                split = "/".join(str(n) for n in measure.groupby("worker_id").size())
-                print(f"{workers:7d} {users:5d} {ideal:11,.0f} {events / (t1 - t0):9,.0f}   {stats(ttft)}"
-                      f"   {stats(itl)}   {client:9.0f}%  {mcpu}  {srv:9.0f}%  {os.getloadavg()[0]:5.2f}  {split}",
-                      flush=True)  # fmt: skip
+        for _ in range(args.repeats):
+            for users in args.users:
+                for workers in args.workers:
+                    row = one_run(args, server, log, work / "runs", workers, users)
+                    rows.setdefault((users, workers), []).append(row)
+                    print(line(workers, users, row), flush=True)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     finally:
         server.stop()
+    if args.repeats > 1:
+        print(f"# medians of {args.repeats} runs per row")
+        print(HEADER)
+        for (users, workers), runs in rows.items():
+            print(line(workers, users, median_row(runs)))
     return 0
 
 

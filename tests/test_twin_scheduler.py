@@ -379,7 +379,7 @@ def test_radix_cache_lru_eviction_respects_locks():
 
 
 def test_lateness_histogram_quantiles_are_exact_to_the_bin():
-    from loadlab.sim.engine import LatenessHistogram
+    from loadlab.lateness import LatenessHistogram
 
     h = LatenessHistogram()
     for ms in range(1, 101):  # 1..100 ms, one sample each

@@ -1,0 +1,32 @@
+# loadlab on the Locust image: one image for the Locust master, the workers and the simulated SGLang
+# server (`loadlab sim`). docker-compose.yml runs all three; see docs/compose.md.
+#
+#   docker build -t loadlab .
+#   docker run --rm -p 8089:8089 loadlab                      # web UI on :8089, embedded twin as the target
+#   docker run --rm loadlab locust -f locustfile.py --headless --profile-file profiles/rag.yaml
+#   docker run --rm -p 30000:30000 loadlab loadlab sim --host 0.0.0.0 --port 30000 --enable-metrics
+#
+# Locust is pinned to the version loadlab is developed against (pyproject.toml: locust>=2.40,<3).
+FROM locustio/locust:2.47.0
+
+# The base image keeps Locust in a venv at /opt/venv (first on PATH, pip included) and runs as the user
+# `locust`; install as root, run as `locust`.
+USER root
+WORKDIR /loadlab
+
+# A regular (non-editable) install of the package and its dependencies into /opt/venv.
+COPY pyproject.toml README.md ./
+COPY loadlab ./loadlab
+RUN pip install --no-cache-dir . && rm -rf build ./*.egg-info
+
+COPY locustfile.py ./
+COPY profiles ./profiles
+RUN mkdir -p reports && chown -R locust:locust /loadlab
+USER locust
+
+# No entrypoint: the command names the program (`locust ...` or `loadlab ...`). The default is Locust's web
+# UI on :8089 with profiles/default.yaml (the embedded twin as the target).
+ENV PYTHONUNBUFFERED=1
+EXPOSE 8089 5557 30000
+ENTRYPOINT []
+CMD ["locust", "-f", "locustfile.py"]
