@@ -16,7 +16,12 @@ from pathlib import Path
 
 from loadlab.cliargs import EXIT_BAD_INPUT, OneLineParser, positive
 from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
-from loadlab.swarm.options import add_loadlab_arguments, check_load_model, overrides_from_options
+from loadlab.swarm.options import (
+    PASSED_THROUGH,
+    add_loadlab_arguments,
+    check_load_model,
+    overrides_from_options,
+)
 
 LOCUSTFILE = Path(__file__).parent / "swarm" / "locustfile.py"
 
@@ -108,6 +113,12 @@ def _cmd_run(args) -> int:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
     for item in args.set or []:
         cmd += ["--set", item]
+    for flag in PASSED_THROUGH:
+        value = getattr(args, flag)
+        if value is True:
+            cmd.append("--" + flag.replace("_", "-"))
+        elif value not in (None, False):
+            cmd += ["--" + flag.replace("_", "-"), str(value)]
     if args.run_time:
         cmd += ["--run-time", args.run_time]
     cmd += args.locust_args

@@ -267,6 +267,30 @@ def _get(mapping: Any, *keys: str) -> Any:
     return mapping
 
 
+def _client(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The load generators' self-calibration (manifest "client"): error bound and client-bound verdict."""
+    client = manifest.get("client")
+    if not isinstance(client, dict):
+        return None
+    return {
+        "error_bound_ms": client.get("error_bound_ms"),
+        "client_bound": bool(client.get("client_bound")),
+        "reasons": list(client.get("reasons") or []),
+        "limits": client.get("limits"),
+        "generators": [
+            {
+                "worker_id": g.get("worker_id"),
+                "probe_lateness_p99_ms": (g.get("probe_lateness_ms") or {}).get("p99"),
+                "probe_lateness_max_ms": (g.get("probe_lateness_ms") or {}).get("max"),
+                "cpu_mean": g.get("cpu_mean"),
+                "cpu_max": g.get("cpu_max"),
+            }
+            for g in client.get("generators") or []
+            if isinstance(g, dict)
+        ],
+    }
+
+
 def _count_by(items: list[dict[str, Any]], key: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in items:
@@ -471,6 +495,7 @@ def compute_summary(df: pd.DataFrame | None, manifest: dict[str, Any] | None) ->
         "lost_in_flight_measured": lost_measured,
         "lost_in_flight_by_worker": _count_by(lost, "worker"),
         "load_generators": len(manifest.get("load_generators") or []) or 1,
+        "client": _client(manifest),
         "completed": completed,
         "failed": int(not_ok.sum()),
         "failures": failures,

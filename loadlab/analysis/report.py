@@ -76,6 +76,27 @@ def _num(value: Any, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def _client_lines(client: dict[str, Any] | None) -> list[str]:
+    """The load generator's own timing quality, beside the latencies it qualifies."""
+    if not client:
+        return []
+    bound = client.get("error_bound_ms")
+    cpus = [g["cpu_mean"] for g in client.get("generators") or [] if g.get("cpu_mean") is not None]
+    cpu = f"; CPU {max(cpus):.0%} of a core (busiest load generator, mean)" if cpus else ""
+    lines = [
+        f"Client timing error bound: {_num(bound)} ms (P99 of how late a load generator handled I/O, worst "
+        f"of {len(client.get('generators') or [])}){cpu}.",
+        "",
+    ]
+    if client.get("client_bound"):
+        lines += [
+            "> **Client-bound**: " + "; ".join(client.get("reasons") or []) + ". These latencies include the "
+            "load generator's own delay: add workers (`loadlab run --workers N`) or lower the load per process.",
+            "",
+        ]
+    return lines
+
+
 def render_markdown(s: dict[str, Any]) -> str:
     """A plain-Markdown human view of a summary dict."""
     title = " / ".join(str(x) for x in (s.get("run_id"), s.get("profile_name")) if x) or "run"
@@ -142,6 +163,7 @@ def render_markdown(s: dict[str, Any]) -> str:
         "tokens after the first event instead. ITL per token spreads each event's gap over its tokens.",
         "",
     ]
+    lines += _client_lines(s.get("client"))
 
     lines += ["## Throughput", ""]
     lines += [

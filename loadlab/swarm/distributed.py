@@ -40,12 +40,14 @@ from loadlab.profile import ProfileError, validate_profile
 from loadlab.records import (
     CANCELLED,
     MANIFEST,
+    MEASURE,
     SPILL_DIR,
     RecordWriter,
     RequestRecord,
     spill_name,
     write_manifest,
 )
+from loadlab.swarm.calibration import ClientMonitor
 from loadlab.target import EXIT_TARGET, TargetError, probe
 from loadlab.workload import build_workload
 from loadlab.workload.text import Renderer
@@ -79,6 +81,7 @@ class Coordinator:
         self.clocks: dict[str, dict[str, Any]] = {}
         self.gone: set[str] = set()
         self.drained: dict[str, int] = {}
+        self.calibration: dict[str, dict[str, Any]] = {}  # worker -> its ClientMonitor summary
         self.drain_done = False
         self.failure: str | None = None
         for name, handler in (
@@ -228,6 +231,12 @@ class Coordinator:
 
     def _on_drained(self, environment, msg, **_kw) -> None:
         self.drained[msg.node_id] = msg.data["last_seq"]
+        if msg.data.get("calibration"):
+            self.calibration[msg.node_id] = msg.data["calibration"]
+
+    def calibrations(self) -> list[dict[str, Any]]:
+        """Each drained worker's self-calibration (a worker that died sent none)."""
+        return [{"worker_id": w, **c} for w, c in sorted(self.calibration.items())]
 
     def drain(self) -> None:
         """Asks every live worker to stop its users and send its last records; waits for all of them (or
@@ -264,6 +273,8 @@ class RemoteTickets:
         self.waiting: dict[int, AsyncResult] = {}
         self.ids = itertools.count()
         self.exhausted = False
+        self.measuring = False
+        self.on_measure_start = None  # called once, with this worker's first measured ticket
 
     def take(self) -> tuple[int, str] | None:
         if self.exhausted:
@@ -277,6 +288,10 @@ class RemoteTickets:
             self.waiting.pop(request_id, None)
         if ticket is None:
             self.exhausted = True
+        elif ticket[1] == MEASURE and not self.measuring:
+            self.measuring = True
+            if self.on_measure_start is not None:
+                self.on_measure_start()
         return ticket
 
 
@@ -307,6 +322,8 @@ class WorkerRun:
         self.seq = 0
         self.wake = Event()
         self.shipping = False
+        self.monitor = ClientMonitor().start()
+        self.tickets.on_measure_start = self.monitor.reset  # calibrate the measured phase only
         gevent.spawn(self._ship)
 
     def record(self, rec: RequestRecord) -> None:
@@ -332,6 +349,7 @@ class WorkerRun:
         return not self.pending and not self.shipping
 
     def close(self) -> None:
+        self.monitor.stop()
         self.spill.close()
 
 
@@ -404,12 +422,15 @@ class WorkerAgent:
 
     def _drain(self) -> None:
         runner = self.environment.runner
+        calibration = self.run.monitor.stop() if self.run is not None else None
         runner.user_greenlets.kill(block=True, timeout=10)  # in-flight requests end as cancelled records
         run = self.run
-        if run is not None:
-            while not run.flushed():
-                gevent.sleep(0.01)
-        runner.send_message("loadlab_drained", {"last_seq": (run.seq - 1) if run is not None else -1})
+        if run is None:
+            runner.send_message("loadlab_drained", {"last_seq": -1})
+            return
+        while not run.flushed():
+            gevent.sleep(0.01)
+        runner.send_message("loadlab_drained", {"last_seq": run.seq - 1, "calibration": calibration})
 
     def _sync_clock(self) -> None:
         """NTP-style: the master's clock minus ours at the midpoint of the fastest of a few round trips."""

@@ -34,7 +34,9 @@ from loadlab.records import (
     write_manifest,
     write_parquet,
 )
+from loadlab.swarm.calibration import verdict
 from loadlab.swarm.distributed import worker_id
+from loadlab.swarm.options import DEFAULT_LIMIT_CPU, DEFAULT_LIMIT_MS
 
 log = logging.getLogger("loadlab")
 
@@ -51,6 +53,7 @@ class Tickets:
         self.warmup_done = Event()
         self.all_done = Event()
         self.measure_started_wall: float | None = None
+        self.on_measure_start = None  # called once, with the first measured ticket
         if warmup == 0:
             self.warmup_done.set()
 
@@ -66,6 +69,8 @@ class Tickets:
         self.warmup_done.wait()
         if self.measure_started_wall is None:
             self.measure_started_wall = time.time()
+            if self.on_measure_start is not None:
+                self.on_measure_start()
         return index, MEASURE
 
     def finished(self, phase: str) -> None:
@@ -112,6 +117,9 @@ class Run:
         self.indices: set[int] = set()  # recorded
         self.lost: dict[int, dict[str, Any]] = {}  # index -> phase and worker, for requests lost in flight
         self.coordinator = None  # the master's, in a distributed run
+        self.monitor = None  # this process's ClientMonitor, when it runs users
+        self.calibration: dict[str, Any] | None = None
+        self.client_limits = (DEFAULT_LIMIT_MS, DEFAULT_LIMIT_CPU)
         self.finalized = False
         self.manifest: dict[str, Any] = {
             "run_id": self.run_id,
@@ -180,6 +188,7 @@ class Run:
         if self.finalized:
             return None
         self.finalized = True
+        calibration = self.stop_calibration()  # before the heavy work below
         self.writer.close()
         recovered = self._merge_spills()
         write_parquet(self.dir)
@@ -198,14 +207,27 @@ class Run:
             },
             lost_in_flight=[{"index": i, **v} for i, v in sorted(self.lost.items())],
         )
+        generators = []
+        if calibration is not None:
+            generators.append({"worker_id": self.worker_id, **calibration})
         if self.coordinator is not None:
             self.manifest["load_generators"] = self.coordinator.load_generators()
+            generators += self.coordinator.calibrations()
             if self.coordinator.failure:
                 self.manifest["failure"] = self.coordinator.failure
+        if generators:
+            self.manifest["client"] = verdict(generators, *self.client_limits)
         write_manifest(self.dir, self.manifest)
         from loadlab.analysis.report import write_report
 
         summary = write_report(self.dir)
+        client = self.manifest.get("client") or {}
+        if client.get("client_bound"):
+            log.warning(
+                "loadlab: CLIENT-BOUND: %s. The latencies include the load generator's own delay: add workers "
+                "(loadlab run --workers N) or lower the load per process.",
+                "; ".join(client["reasons"]),
+            )
         state = "complete" if self.complete else "PARTIAL (stopped before every request finished)"
         ok = self.outcomes.get(OK, 0)
         lost = f", {len(self.lost)} lost in flight" if self.lost else ""
@@ -216,6 +238,12 @@ class Run:
             flush=True,
         )
         return summary
+
+    def stop_calibration(self) -> dict[str, Any] | None:
+        """Ends this process's self-calibration (once the last measured request has ended; idempotent)."""
+        if self.monitor is not None and self.calibration is None:
+            self.calibration = self.monitor.stop()
+        return self.calibration
 
     def _merge_spills(self) -> int:
         """Records that only workers' spill files hold (a worker that died before shipping them, on this
