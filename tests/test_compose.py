@@ -105,9 +105,8 @@ class LocalCompose:
 
     def __init__(self, compose: dict, tmp_path: Path):
         self.tmp_path = tmp_path
-        self.all_services = compose["services"]
-        self.services = {name: s for name, s in self.all_services.items() if not s.get("profiles")}
-        self.ports = {  # (service, container port) -> a free local port
+        self.services = {name: s for name, s in compose["services"].items() if not s.get("profiles")}
+        self.ports = {  # service -> {container port: a free local port}
             name: {container_port(p): str(free_port()) for p in [*s.get("expose", []), *s.get("ports", [])]}
             for name, s in self.services.items()
         }
