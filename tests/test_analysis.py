@@ -442,3 +442,26 @@ def test_markdown_view(tmp_path):
     assert "PASS: P95 ttft_ms" in md and "FAIL: P95 e2e_latency_ms" in md
     assert "timeout: 1" in md
     assert "Partial run" in md
+
+
+def test_open_loop_latency_also_counted_from_the_due_time(tmp_path):
+    """A request due at T but sent later (queued in the client) must not look faster than it was."""
+    records = []
+    for i in range(10):
+        r = rec(i, t=i * 1.0, ttft=100.0, e2e=500.0)
+        r.t_scheduled_wall = r.t_send_wall - i * 0.010  # request i waited i x 10 ms in the client
+        records.append(r)
+    s = summarize(tmp_path, records)
+    queue = np.arange(10) * 10.0
+    assert s["median_client_queue_ms"] == pytest.approx(np.percentile(queue, 50))
+    assert s["p99_ttft_from_scheduled_ms"] == pytest.approx(np.percentile(100.0 + queue, 99))
+    assert s["max_e2e_from_scheduled_ms"] == pytest.approx(590.0)
+    assert s["p99_ttft_ms"] == pytest.approx(100.0)  # from the actual send: unchanged
+    md = (tmp_path / "summary.md").read_text()
+    assert "TTFT from due time" in md and "Client queue (send - due)" in md
+    # A closed-loop run schedules nothing: no such rows.
+    closed_dir = tmp_path / "closed"
+    closed_dir.mkdir()
+    closed = summarize(closed_dir, [rec(i, t=i) for i in range(3)])
+    assert "p99_ttft_from_scheduled_ms" not in closed
+    assert "TTFT from due time" not in (closed_dir / "summary.md").read_text()

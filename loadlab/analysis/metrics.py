@@ -419,6 +419,15 @@ def compute_summary(df: pd.DataFrame | None, manifest: dict[str, Any] | None) ->
         "itl_per_event_ms": events["itl_per_event"],
         "e2e_latency_ms": ok_e2e[np.isfinite(ok_e2e)],
     }
+    # Open loop: latency counted from when the send was due, so queueing inside the client cannot hide
+    # (coordinated omission). Only when the load model scheduled sends.
+    scheduled = _numeric(df, "t_scheduled_wall")[ok_idx]
+    if np.isfinite(scheduled).any():
+        queue = (t_send[ok_idx] - scheduled) * 1000.0
+        has = np.isfinite(queue)
+        samples["client_queue_ms"] = queue[has]
+        samples["ttft_from_scheduled_ms"] = (ok_ttft + queue)[has & np.isfinite(ok_ttft)]
+        samples["e2e_from_scheduled_ms"] = (ok_e2e + queue)[has & np.isfinite(ok_e2e)]
 
     # The measured window: first measured send to last measured end, any outcome.
     end_wall = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)

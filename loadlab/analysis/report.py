@@ -55,7 +55,11 @@ _LATENCY_ROWS = (
     ("ITL (per token)", "itl_ms"),
     ("ITL (per event)", "itl_per_event_ms"),
     ("E2E", "e2e_latency_ms"),
+    ("Client queue (send - due)", "client_queue_ms"),
+    ("TTFT from due time", "ttft_from_scheduled_ms"),
+    ("E2E from due time", "e2e_from_scheduled_ms"),
 )
+_SCHEDULED_ROWS = {"client_queue_ms", "ttft_from_scheduled_ms", "e2e_from_scheduled_ms"}  # open loop only
 _LATENCY_COLUMNS = (
     ("mean", "mean"),
     ("P50", "median"),
@@ -154,6 +158,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     lines.append("|---|---:|" + "---:|" * len(_LATENCY_COLUMNS))
     samples = s.get("samples") or {}
     for label, stem in _LATENCY_ROWS:
+        if stem in _SCHEDULED_ROWS and not samples.get(stem):
+            continue
         cells = [_num(s.get(f"{stat}_{stem}")) for _, stat in _LATENCY_COLUMNS]
         lines.append(f"| {label} | {samples.get(stem, 0)} | " + " | ".join(cells) + " |")
     lines += [
