@@ -14,10 +14,14 @@ master plus N worker processes), and prints per run:
              every 0.1 s and interpolated at the window's ends: "client" = every Locust process of the run
              (the single process, or master + workers), "master" = the master alone (it runs no users),
              "server" = the scripted server. The `loadlab run` launcher only waits and is left out; so are
-             start-up and the writing of the report.
+             start-up and the writing of the report. "rest" = the whole machine's busy CPU (/proc/stat)
+             minus client and server: other sessions on a shared machine, the kernel's idle-side work,
+             this script's sampler (a few %). Jiffies are 10 ms, so short windows carry a few % of noise.
+  self-bound the run's own client timing error bound (summary.json client.error_bound_ms: the worst
+             process's I/O-lateness probe P99), to set against the measured errors
 
     python bench/distributed.py [--workers 0 1 2] [--users 64 256] [--requests-per-user 6] [--tokens 64]
-                                [--ttft-ms 50] [--gap-ms 10]
+                                [--ttft-ms 50] [--gap-ms 10] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from loadlab.records import load_records
 from loadlab.sim.scripted import read_log, timing_errors
@@ -60,6 +65,16 @@ def cpu_seconds(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / TICKS  # fields 14 and 15 of stat(5)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores have spent busy since boot (/proc/stat: everything but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / TICKS
+
+
+MACHINE = -1  # the sampler's key for the whole machine
 
 
 def children(pid: int) -> list[int]:
@@ -96,7 +111,7 @@ class CpuSampler:
         self.root = root
         self.server = server
         self.roles: dict[int, str] = {}
-        self.samples: dict[int, list[tuple[float, float]]] = {server: []}  # pid -> [(wall, cpu s)]
+        self.samples: dict[int, list[tuple[float, float]]] = {server: [], MACHINE: []}  # pid -> [(wall, s)]
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -109,7 +124,7 @@ class CpuSampler:
                     self.samples.setdefault(pid, [])
             for pid, series in self.samples.items():
                 now = time.time()
-                cpu = cpu_seconds(pid)
+                cpu = machine_busy_seconds() if pid == MACHINE else cpu_seconds(pid)
                 if cpu is not None:
                     series.append((now, cpu))
             self.stop.wait(SAMPLE_S)
@@ -135,7 +150,7 @@ class CpuSampler:
 
 HEADER = (
     "workers users  ideal ev/s  events/s   |TTFT err| p50 p95 p99 max   |ITL err| p50 p95 p99 max"
-    "   client CPU  master CPU  server CPU  load1  records per process"
+    "   client CPU  master CPU  server CPU  rest CPU  self-bound  records per process"
 )
 
 
@@ -145,7 +160,7 @@ def line(workers: int, users: int, row: dict) -> str:
     return (
         f"{workers:7d} {users:5d} {row['ideal']:11,.0f} {row['events_s']:9,.0f}   {nums(row['ttft'])}"
         f"   {nums(row['itl'])}   {row['client']:9.0f}%  {master}  {row['server']:9.0f}%"
-        f"  {row['load1']:5.2f}  {row['split']}"
+        f"  {row['rest']:7.0f}%  {row['bound']:10.2f}  {row['split']}"
     )
 
 
@@ -163,7 +178,9 @@ def one_run(args, server: ServerProcess, log: Path, out: Path, workers: int, use
     sampler.finish()
     if proc.returncode != 0:
         raise RuntimeError(f"loadlab run exited {proc.returncode}:\n{stderr[-2000:]}")
-    records = load_records(Path(stdout.strip().splitlines()[-1]))
+    run_dir = Path(stdout.strip().splitlines()[-1])
+    records = load_records(run_dir)
+    summary = orjson.loads((run_dir / "summary.json").read_bytes())
     measure = records[records.phase == "measure"]
     ttft, itl, problems = timing_errors(measure, read_log(log))
     if problems:
@@ -173,15 +190,20 @@ def one_run(args, server: ServerProcess, log: Path, out: Path, workers: int, use
         print(f"# only {len(ok)} of {measured} measured requests ok", file=sys.stderr)
     t0 = float(measure.t_send_wall.min())
     t1 = max(float(r.t_send_wall) + float(r.arrival_ms[-1]) / 1000.0 for r in ok.itertuples())
+    span = t1 - t0
+    client = sampler.percent({"single", "master", "worker"}, t0, t1)
+    server_cpu = 100.0 * sampler.used(server.proc.pid, t0, t1) / span
+    bound = (summary.get("client") or {}).get("error_bound_ms")
     return {
         "ideal": users * args.tokens * 1000.0 / (args.ttft_ms + (args.tokens - 1) * args.gap_ms),
-        "events_s": sum(len(a) for a in ok.arrival_ms) / (t1 - t0),
+        "events_s": sum(len(a) for a in ok.arrival_ms) / span,
         "ttft": dist(ttft),
         "itl": dist(itl),
-        "client": sampler.percent({"single", "master", "worker"}, t0, t1),
+        "client": client,
         "master": sampler.percent({"master"}, t0, t1),
-        "server": 100.0 * sampler.used(server.proc.pid, t0, t1) / (t1 - t0),
-        "load1": os.getloadavg()[0],
+        "server": server_cpu,
+        "rest": 100.0 * sampler.used(MACHINE, t0, t1) / span - client - server_cpu,
+        "bound": float("nan") if bound is None else float(bound),
         "split": "/".join(str(n) for n in measure.groupby("worker_id").size()),
     }
 

@@ -124,7 +124,7 @@ class Coordinator:
         )
 
     def _on_worker_connect(self, client_id: str, **_kw) -> None:
-        if self.run is not None and not self.run.finalized:
+        if self.run is not None and not self.run.finalized and not self.drain_done:
             self._send_run(client_id)
 
     def load_generators(self) -> list[dict[str, Any]]:
@@ -157,12 +157,8 @@ class Coordinator:
         ticket = run.tickets.take() if active else None  # may wait at the warm-up barrier
         if ticket is not None and self.drain_done:
             ticket = None
-        if ticket is not None:
-            index, phase = ticket
-            if worker in self.gone:  # went missing while this ticket waited at the warm-up barrier
-                run.lose(index, phase, worker)
-                return
-            self.leases[worker][index] = phase
+        if ticket is not None:  # leased even to a missing worker: lost if it stays missing, kept if it heals
+            self.leases[worker][ticket[0]] = ticket[1]
         self.runner.send_message(
             "loadlab_ticket",
             {"id": request_id, "index": None if ticket is None else ticket[0],
@@ -193,18 +189,22 @@ class Coordinator:
             gevent.sleep(1.0)
             for worker in list(self.leases):
                 node = self.runner.clients.get(worker)
-                if worker in self.gone or (node is not None and node.state != STATE_MISSING):
+                if node is not None and node.state != STATE_MISSING:
+                    self.gone.discard(worker)  # back (a stalled machine): its late records are recovered
                     continue
-                self.gone.add(worker)
-                leased = self.leases.pop(worker, {})
+                leased = self.leases.pop(worker)
+                if node is None and not leased:  # it quit cleanly with nothing in flight
+                    continue
                 if self.run is not None:
                     for index, phase in leased.items():
                         self.run.lose(index, phase, worker)
-                log.warning(
-                    "loadlab: worker %s is gone; %d requests in flight on it are lost, the run goes on",
-                    worker,
-                    len(leased),
-                )
+                if worker not in self.gone or leased:
+                    log.warning(
+                        "loadlab: worker %s is gone; %d requests in flight on it are lost, the run goes on",
+                        worker,
+                        len(leased),
+                    )
+                self.gone.add(worker)
 
     def _on_ping(self, environment, msg, **_kw) -> None:
         self.runner.send_message("loadlab_pong", {"t0": msg.data["t0"], "t_master": time.time()}, msg.node_id)

@@ -84,7 +84,8 @@ class _Session:
     def use_target(self, url: str) -> None:
         """Probes the target and remembers who it is (again when the web UI's Host field changes it)."""
         target = self.profile.target
-        found = probe(url, need_model=target.api != "generate" and not target.model)
+        wait = self.environment.parsed_options.target_wait
+        found = probe(url, need_model=target.api != "generate" and not target.model, wait_s=wait)
         self.model = target.model or found["model"]
         self.target_info = {
             "url": url,

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadlab.cliargs import non_negative_int, positive
+from loadlab.cliargs import non_negative_float, non_negative_int, positive
 from loadlab.profile import APIS, CLI_OVERRIDES, ProfileError, parse_set_option
 
 DEFAULT_PROFILE = "profiles/default.yaml"
 EXIT_CLIENT_BOUND = 4
 DEFAULT_LIMIT_MS = 2.0  # probe lateness P99 above this: the client's clock error swamps millisecond ITLs
 DEFAULT_LIMIT_CPU = 0.85  # of one core, mean over the run: past this, one process is near saturation
-PASSED_THROUGH = ("client_limit_ms", "client_limit_cpu", "strict")  # loadlab run -> Locust, not profile keys
+PASSED_THROUGH = (
+    "client_limit_ms",
+    "client_limit_cpu",
+    "strict",
+    "target_wait",
+)  # loadlab run -> Locust, not profile keys
 DEFAULT_OUT = "reports"
 
 
@@ -43,6 +48,8 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
         metavar="NAME",
         help="run directory name under --out (default: time-profile)",
     )
+    add("--target-wait", type=non_negative_float, default=0.0, metavar="SECONDS",
+        help="keep trying to reach the target this long before giving up (a server still starting)")  # fmt: skip
     add("--client-limit-ms", type=positive(float), default=DEFAULT_LIMIT_MS, metavar="MS",
         help="client-bound when a load generator handles I/O later than this at P99")  # fmt: skip
     add("--client-limit-cpu", type=positive(float), default=DEFAULT_LIMIT_CPU, metavar="FRACTION",
