@@ -17,11 +17,13 @@ master plus N worker processes), and prints per run:
              start-up and the writing of the report. "rest" = the whole machine's busy CPU (/proc/stat)
              minus client and server: other sessions on a shared machine, the kernel's idle-side work,
              this script's sampler (a few %). Jiffies are 10 ms, so short windows carry a few % of noise.
+  idle ms    median time a user spends between the end of one stream and its next send (bookkeeping,
+             and with workers the ticket's round trip through the master): the reason events/s < ideal
   self-bound the run's own client timing error bound (summary.json client.error_bound_ms: the worst
              process's I/O-lateness probe P99), to set against the measured errors
 
     python bench/distributed.py [--workers 0 1 2] [--users 64 256] [--requests-per-user 6] [--tokens 64]
-                                [--ttft-ms 50] [--gap-ms 10] [--repeats 1]
+                                [--ttft-ms 50] [--gap-ms 10] [--repeats 1] [--keep]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +58,18 @@ def dist(values) -> list[float]:
     if not mags.size:
         return [float("nan")] * 4
     return [*np.percentile(mags, [50, 95, 99]), mags.max()]
+
+
+def idle_ms(measure) -> float:
+    """Median time (ms) a user spent between the end of one measured stream and its next send: the
+    client's own per-request bookkeeping and, distributed, the ticket's round trip through the master.
+    While it lasts the user has nothing in flight, so it lowers the load a closed loop really offers."""
+    gaps = []
+    for _, g in measure.groupby(["worker_id", "user_id"]):
+        g = g.sort_values("t_send_wall")
+        ends = g.t_send_wall.to_numpy() + g.e2e_ms.to_numpy() / 1000.0
+        gaps += list((g.t_send_wall.to_numpy()[1:] - ends[:-1]) * 1000.0)
+    return float(np.median(gaps)) if gaps else float("nan")
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -149,7 +164,7 @@ class CpuSampler:
 
 
 HEADER = (
-    "workers users  ideal ev/s  events/s   |TTFT err| p50 p95 p99 max   |ITL err| p50 p95 p99 max"
+    "workers users  ideal ev/s  events/s  idle ms   |TTFT err| p50 p95 p99 max   |ITL err| p50 p95 p99 max"
     "   client CPU  master CPU  server CPU  rest CPU  self-bound  records per process"
 )
 
@@ -158,7 +173,7 @@ def line(workers: int, users: int, row: dict) -> str:
     nums = lambda xs: " ".join(f"{x:5.2f}" for x in xs[:3]) + f" {xs[3]:6.2f}"  # noqa: E731
     master = f"{row['master']:9.0f}%" if workers else f"{'-':>10}"
     return (
-        f"{workers:7d} {users:5d} {row['ideal']:11,.0f} {row['events_s']:9,.0f}   {nums(row['ttft'])}"
+        f"{workers:7d} {users:5d} {row['ideal']:11,.0f} {row['events_s']:9,.0f} {row['idle']:8.1f}   {nums(row['ttft'])}"
         f"   {nums(row['itl'])}   {row['client']:9.0f}%  {master}  {row['server']:9.0f}%"
         f"  {row['rest']:7.0f}%  {row['bound']:10.2f}  {row['split']}"
     )
@@ -197,6 +212,7 @@ def one_run(args, server: ServerProcess, log: Path, out: Path, workers: int, use
     return {
         "ideal": users * args.tokens * 1000.0 / (args.ttft_ms + (args.tokens - 1) * args.gap_ms),
         "events_s": sum(len(a) for a in ok.arrival_ms) / span,
+        "idle": idle_ms(measure),
         "ttft": dist(ttft),
         "itl": dist(itl),
         "client": client,
@@ -225,6 +241,7 @@ def main() -> int:
     parser.add_argument("--ttft-ms", type=float, default=50.0)
     parser.add_argument("--gap-ms", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every row, interleaved; medians")
+    parser.add_argument("--keep", action="store_true", help="keep the run directories and the server log")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="loadlab-bench-"))
@@ -251,6 +268,10 @@ def main() -> int:
         return 1
     finally:
         server.stop()
+        if args.keep:
+            print(f"# runs and server log kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     if args.repeats > 1:
         print(f"# medians of {args.repeats} runs per row")
         print(HEADER)

@@ -44,15 +44,15 @@ class ClientMonitor:
         self._stopped = False
         self._greenlets: list[gevent.Greenlet] = []
         self.started_wall = time.time()
-        self._cpu0 = time.process_time()
-        self._wall0 = time.monotonic()
+        self._cpu0 = self._cpu_mark = time.process_time()
+        self._wall0 = self._wall_mark = time.monotonic()
 
     def reset(self) -> None:
         """Starts measuring afresh (when the measured phase begins: warm-up has start-up costs)."""
         self.lateness = LatenessHistogram()
         self.cpu_samples = []
-        self._cpu0 = time.process_time()
-        self._wall0 = time.monotonic()
+        self._cpu0 = self._cpu_mark = time.process_time()
+        self._wall0 = self._wall_mark = time.monotonic()
 
     def start(self) -> ClientMonitor:
         _start_thread(self._probe_thread, ())
@@ -86,12 +86,11 @@ class ClientMonitor:
             buf = buf[whole:]
 
     def _sample_cpu(self) -> None:
-        cpu, wall = time.process_time(), time.monotonic()
         while True:
             gevent.sleep(CPU_SAMPLE_S)
-            cpu2, wall2 = time.process_time(), time.monotonic()
-            self.cpu_samples.append((cpu2 - cpu) / max(wall2 - wall, 1e-9))
-            cpu, wall = cpu2, wall2
+            cpu, wall = time.process_time(), time.monotonic()
+            self.cpu_samples.append((cpu - self._cpu_mark) / max(wall - self._wall_mark, 1e-9))
+            self._cpu_mark, self._wall_mark = cpu, wall
 
     def summary(self) -> dict[str, Any]:
         """What the process measured so far: probe lateness (ms) and CPU (fraction of one core)."""

@@ -148,7 +148,13 @@ class Coordinator:
 
     # -- tickets ----------------------------------------------------------------------------------------
     def _on_want(self, environment, msg, **_kw) -> None:
-        gevent.spawn(self._lease, msg.node_id, msg.data["id"])
+        run = self.run
+        if run is not None and (
+            run.tickets.warmup_done.is_set() or run.tickets.next_index < run.tickets.warmup
+        ):
+            self._lease(msg.node_id, msg.data["id"])  # cannot block: answer now (a round trip per request)
+        else:
+            gevent.spawn(self._lease, msg.node_id, msg.data["id"])  # waits at the warm-up barrier
 
     def _lease(self, worker: str, request_id: int) -> None:
         run = self.run
