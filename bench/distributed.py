@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+from common import machine_line, start_scripted_server
 
 from loadlab.records import load_records
 from loadlab.sim.scripted import read_log, timing_errors
@@ -245,13 +245,8 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="loadlab-bench-"))
-    log = work / "server.jsonl"
-    server = ServerProcess(
-        [sys.executable, "-m", "loadlab.sim.scripted", "--port", "0", "--log", str(log),
-         "--ttft-ms", str(args.ttft_ms), "--gap-ms", str(args.gap_ms)]
-    )  # fmt: skip
-    server.start()
-    print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, {time.ctime()}")
+    server, log = start_scripted_server(work, args.ttft_ms, args.gap_ms)
+    print(machine_line())
     print(f"# case normal, TTFT {args.ttft_ms} ms, gap {args.gap_ms} ms, {args.tokens} tokens/request, "
           f"{args.requests_per_user} measured requests/user (+1 warm-up); CPU in % of one core")  # fmt: skip
     print(HEADER)

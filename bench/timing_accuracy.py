@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from common import machine_line, start_scripted_server
 
 from loadlab.records import load_records
 from loadlab.sim.scripted import read_log, timing_errors
-from loadlab.target import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "tests" / "profiles" / "timing.yaml"
@@ -49,13 +47,8 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="loadlab-bench-"))
-    log = work / "server.jsonl"
-    server = ServerProcess(
-        [sys.executable, "-m", "loadlab.sim.scripted", "--port", "0", "--log", str(log),
-         "--ttft-ms", str(args.ttft_ms), "--gap-ms", str(args.gap_ms)]
-    )  # fmt: skip
-    server.start()
-    print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, {time.ctime()}")
+    server, log = start_scripted_server(work, args.ttft_ms, args.gap_ms)
+    print(machine_line())
     print(f"# case {args.case}, TTFT {args.ttft_ms} ms, gap {args.gap_ms} ms, {args.tokens} tokens/request")
     print("users events/s  |TTFT err| p50 p95 p99 max (ms)   |ITL err| p50 p95 p99 max (ms)   load")
     try:

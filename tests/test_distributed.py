@@ -57,6 +57,14 @@ def start_worker(tmp_path: Path, port: int, out: str, n: int) -> subprocess.Pope
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
+def start_cluster(tmp_path: Path, measured: int, worker_out: str) -> tuple[subprocess.Popen, list]:
+    """A master and 2 workers on a 64-token-output profile (4 warm-up requests)."""
+    profile = write_profile(tmp_path, warmup=4, measured=measured, output_len=64)
+    port = _free_port()
+    master = start_master(tmp_path, profile, port)
+    return master, [start_worker(tmp_path, port, worker_out, n) for n in range(2)]
+
+
 def wait_for_records(path: Path, at_least: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -104,10 +112,7 @@ def test_two_workers_send_every_index_once_with_warmup_first(tmp_path):
 
 
 def test_a_killed_worker_costs_only_its_requests_in_flight(tmp_path):
-    profile = write_profile(tmp_path, warmup=4, measured=160, output_len=64)
-    port = _free_port()
-    master = start_master(tmp_path, profile, port)
-    workers = [start_worker(tmp_path, port, "worker-out", n) for n in range(2)]
+    master, workers = start_cluster(tmp_path, measured=160, worker_out="worker-out")
     try:
         records = tmp_path / "out" / "run" / "records.jsonl"
         wait_for_records(records, 40)
@@ -145,10 +150,7 @@ def test_a_killed_worker_costs_only_its_requests_in_flight(tmp_path):
 
 
 def test_a_killed_master_stops_workers_and_spills_recover_every_record(tmp_path):
-    profile = write_profile(tmp_path, warmup=4, measured=400, output_len=64)
-    port = _free_port()
-    master = start_master(tmp_path, profile, port)
-    workers = [start_worker(tmp_path, port, "out", n) for n in range(2)]  # same --out: spills in the run dir
+    master, workers = start_cluster(tmp_path, measured=400, worker_out="out")  # same --out: spills in the run
     try:
         run = tmp_path / "out" / "run"
         wait_for_records(run / "records.jsonl", 30)
@@ -229,10 +231,7 @@ def test_a_worker_that_cannot_reach_the_target_fails_the_run_loudly(tmp_path):
 
 
 def test_ctrl_c_on_the_master_collects_every_workers_in_flight_requests(tmp_path):
-    profile = write_profile(tmp_path, warmup=4, measured=400, output_len=64)
-    port = _free_port()
-    master = start_master(tmp_path, profile, port)
-    workers = [start_worker(tmp_path, port, "worker-out", n) for n in range(2)]
+    master, workers = start_cluster(tmp_path, measured=400, worker_out="worker-out")
     try:
         run = tmp_path / "out" / "run"
         wait_for_records(run / "records.jsonl", 30)
