@@ -41,7 +41,7 @@ class ServerProcess:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             start_new_session=True,  # a terminal Ctrl-C stops the load generator, which then stops the server
         )
         ready: list[str] = []
@@ -81,7 +81,7 @@ class EmbeddedServer(ServerProcess):
         super().__init__(argv + settings_to_argv(settings))
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: ask Linux to send SIGTERM when the parent dies, so a killed load generator never
     leaves an orphaned server behind. Elsewhere the server is only stopped by a clean exit."""
     try:

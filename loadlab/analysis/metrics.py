@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from loadlab.records import MEASURE, OK, RECORD_FIELDS, WARMUP
+from loadlab.scrape import DEFAULT_INTERVAL_S, server_summary
 
 SUMMARY_SCHEMA = "loadlab.summary/1"
 PERCENTILES = (90, 95, 99)
@@ -357,7 +358,9 @@ def slo_objectives(slo: Any) -> tuple[list[tuple[str, float, float, str]], list[
 # The summary
 
 
-def compute_summary(df: pd.DataFrame | None, manifest: dict[str, Any] | None) -> dict[str, Any]:
+def compute_summary(
+    df: pd.DataFrame | None, manifest: dict[str, Any] | None, server_rows: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The run summary from its records (a DataFrame as ``load_records`` returns) and manifest.
 
     Pure: reads nothing, writes nothing. Keys follow sglang bench_serving where it has one (duration,
@@ -505,6 +508,12 @@ def compute_summary(df: pd.DataFrame | None, manifest: dict[str, Any] | None) ->
         "lost_in_flight_by_worker": _count_by(lost, "worker"),
         "load_generators": len(manifest.get("load_generators") or []) or 1,
         "client": _client(manifest),
+        # Scrapes one interval either side of the window still belong to it (counters need two points).
+        "server": server_summary(
+            server_rows or [],
+            None if window_start is None else window_start - DEFAULT_INTERVAL_S,
+            None if window_end is None else window_end + DEFAULT_INTERVAL_S,
+        ),
         "completed": completed,
         "failed": int(not_ok.sum()),
         "failures": failures,

@@ -11,6 +11,7 @@ import pandas as pd
 
 from loadlab.analysis.metrics import compute_summary
 from loadlab.records import RECORD_FIELDS, RECORDS_JSONL, RECORDS_PARQUET, load_records, read_manifest
+from loadlab.scrape import read_server_metrics
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
@@ -32,7 +33,7 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     else:
         source = None
     df = load_records(run_dir) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
-    summary = compute_summary(df, read_manifest(run_dir))
+    summary = compute_summary(df, read_manifest(run_dir), read_server_metrics(run_dir))
     summary["records_source"] = source
     _write_atomic(run_dir / SUMMARY_JSON, json.dumps(summary, indent=2, allow_nan=False) + "\n")
     _write_atomic(run_dir / SUMMARY_MD, render_markdown(summary))
@@ -78,6 +79,26 @@ def _num(value: Any, digits: int = 2) -> str:
     if isinstance(value, int):
         return str(value)
     return f"{value:.{digits}f}"
+
+
+def _server_lines(server: dict[str, Any] | None) -> list[str]:
+    """The seed's server-side columns, from the target's /metrics during the run."""
+    lines = ["## Server (from /metrics during the measured window)", ""]
+    if not server or not server.get("available"):
+        why = "; ".join((server or {}).get("errors") or []) or "no metrics were scraped"
+        return lines + [f"- Unavailable: {why}.", ""]
+    usage = server.get("peak_token_usage")
+    hit = server.get("cache_hit_rate")
+    return lines + [
+        f"- Mean queue delay: {_num(server.get('mean_queue_time_ms'))} ms",
+        f"- Peak KV usage (token_usage): {_num(usage * 100 if usage is not None else None, 1)}%",
+        f"- Running requests: mean {_num(server.get('mean_running'))}, max {_num(server.get('max_running'), 0)}",
+        f"- Queued requests: mean {_num(server.get('mean_queued'))}, max {_num(server.get('max_queued'), 0)}",
+        f"- Cache-hit rate (cached / prompt tokens): {_num(hit * 100 if hit is not None else None, 1)}%",
+        f"- Retractions: {_num(server.get('retractions'), 0)}",
+        f"- Scrapes: {server.get('scrapes')} from {server.get('servers')} server(s)",
+        "",
+    ]
 
 
 def _client_lines(client: dict[str, Any] | None) -> list[str]:
@@ -210,6 +231,7 @@ def render_markdown(s: dict[str, Any]) -> str:
             "their ITL samples assume the counts the client inferred"
         )
     lines.append("")
+    lines += _server_lines(s.get("server"))
 
     slo = s.get("slo") or {}
     lines += ["## SLO", ""]

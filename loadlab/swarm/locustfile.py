@@ -19,6 +19,7 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from loadlab.cliargs import EXIT_BAD_INPUT
 from loadlab.profile import ProfileError, load_profile
+from loadlab.scrape import Scraper
 from loadlab.swarm.calibration import ClientMonitor
 from loadlab.swarm.distributed import Coordinator, WorkerAgent
 from loadlab.swarm.options import (
@@ -162,6 +163,7 @@ def _on_test_start(environment, **_kw):
         gevent.spawn(end_run, environment)
         return
     session.run = environment.loadlab_run = run
+    run.scraper = Scraper([environment.host], run.dir).start()  # its own process: parsing costs CPU
     _freeze_heap()
     run.client_limits = (opts.client_limit_ms, opts.client_limit_cpu)
     coordinator = environment.loadlab_coordinator

@@ -119,6 +119,7 @@ class Run:
         self.coordinator = None  # the master's, in a distributed run
         self.monitor = None  # this process's ClientMonitor, when it runs users
         self.calibration: dict[str, Any] | None = None
+        self.scraper = None  # the target's /metrics scraper process (loadlab.scrape)
         self.client_limits = (DEFAULT_LIMIT_MS, DEFAULT_LIMIT_CPU)
         self.finalized = False
         self.manifest: dict[str, Any] = {
@@ -189,6 +190,8 @@ class Run:
             return None
         self.finalized = True
         calibration = self.stop_calibration()  # before the heavy work below
+        if self.scraper is not None:
+            self.scraper.stop()
         self.writer.close()
         recovered = self._merge_spills()
         write_parquet(self.dir)

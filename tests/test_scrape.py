@@ -1,0 +1,111 @@
+"""Server metrics during a run: /metrics parsing, the seed's server-side columns, and a real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadlab.scrape import parse_metrics, server_summary
+
+PAGE = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m",tp_rank="0"} 12.0
+sglang:num_running_reqs{model_name="m",tp_rank="1"} 12.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="m",tp_rank="0"} 0.25
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="m"} 1000.0
+# TYPE sglang:queue_time_seconds histogram
+sglang:queue_time_seconds_bucket{model_name="m",le="0.1",is_streaming="true"} 3.0
+sglang:queue_time_seconds_bucket{model_name="m",le="+Inf",is_streaming="true"} 4.0
+sglang:queue_time_seconds_sum{model_name="m",is_streaming="true"} 0.5
+sglang:queue_time_seconds_count{model_name="m",is_streaming="true"} 4.0
+sglang:queue_time_seconds_sum{model_name="m",is_streaming="false"} 0.1
+sglang:queue_time_seconds_count{model_name="m",is_streaming="false"} 1.0
+# TYPE other_metric gauge
+other_metric 5.0
+"""
+
+
+def test_parse_keeps_sglang_names_max_of_gauges_sum_of_counters():
+    m = parse_metrics(PAGE)
+    assert m["sglang:num_running_reqs"] == 12.0  # ranks report the same batch: not 24
+    assert m["sglang:token_usage"] == 0.25
+    assert m["sglang:prompt_tokens_total"] == 1000.0
+    assert m["sglang:queue_time_seconds_sum"] == pytest.approx(0.6)  # streaming + not
+    assert m["sglang:queue_time_seconds_count"] == 5.0
+    assert "other_metric" not in m
+
+
+def row(t, **m):
+    names = {
+        "running": "sglang:num_running_reqs",
+        "queued": "sglang:num_queue_reqs",
+        "usage": "sglang:token_usage",
+        "qsum": "sglang:queue_time_seconds_sum",
+        "qcount": "sglang:queue_time_seconds_count",
+        "prompt": "sglang:prompt_tokens_total",
+        "cached": "sglang:cached_tokens_total",
+        "retracted": "sglang:num_retracted_requests_total",
+    }
+    return {"t": t, "url": "http://s", "m": {names[k]: float(v) for k, v in m.items()}}
+
+
+def test_server_summary_over_the_window():
+    rows = [
+        row(0, running=1, queued=0, usage=0.1, qsum=0, qcount=0, prompt=0, cached=0, retracted=0),
+        row(10, running=4, queued=2, usage=0.5, qsum=1.0, qcount=10, prompt=1000, cached=0, retracted=0),
+        row(11, running=8, queued=6, usage=0.9, qsum=3.0, qcount=20, prompt=2000, cached=600, retracted=3),
+        row(12, running=6, queued=0, usage=0.7, qsum=4.0, qcount=30, prompt=3000, cached=1200, retracted=5),
+        row(30, running=0, queued=0, usage=1.0, qsum=9.0, qcount=31, prompt=9000, cached=1200, retracted=9),
+    ]
+    s = server_summary(rows, 10, 12)  # the scrapes at 0 and 30 are outside the window
+    assert s["available"] and s["scrapes"] == 3
+    assert s["mean_queue_time_ms"] == pytest.approx((4.0 - 1.0) / (30 - 10) * 1000)
+    assert s["peak_token_usage"] == 0.9
+    assert s["mean_running"] == pytest.approx(6.0) and s["max_running"] == 8
+    assert s["mean_queued"] == pytest.approx(8 / 3) and s["max_queued"] == 6
+    assert s["cache_hit_rate"] == pytest.approx(1200 / 2000)
+    assert s["retractions"] == 5
+    errors = [
+        {"t": 11, "url": "http://s", "error": "GET /metrics: HTTP 404 (start SGLang with --enable-metrics)"}
+    ]
+    none = server_summary(errors, 10, 12)
+    assert none["available"] is False and "enable-metrics" in none["errors"][0]
+
+
+PROFILE = """\
+name: scrape
+seed: 2
+target: {{url: embedded, embedded: {{gpu: h100-80gb, enable_metrics: {metrics}, max_running_requests: 4}}}}
+load: {{model: closed, concurrency: 8}}
+requests: {{warmup: 0, measured: 96}}
+workload: {{kind: random_prefix, input_len: 64, output_len: 48}}
+"""
+
+
+@pytest.mark.parametrize("metrics", [True, False])
+def test_a_run_reports_the_servers_side(tmp_path, metrics):
+    profile = tmp_path / "p.yaml"
+    profile.write_text(PROFILE.format(metrics=str(metrics).lower()))
+    done = subprocess.run([sys.executable, "-m", "loadlab", "run", str(profile), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = Path(done.stdout.strip().splitlines()[-1])
+    server = json.loads((run / "summary.json").read_text())["server"]
+    md = (run / "summary.md").read_text()
+    if not metrics:
+        assert server["available"] is False and "enable-metrics" in server["errors"][0]
+        assert "Unavailable: GET /metrics: HTTP 404" in md
+        return
+    # 8 users against a server that runs at most 4: the limit binds and the rest queue.
+    assert server["available"] and server["max_running"] == 4 and server["max_queued"] >= 1
+    assert server["mean_queue_time_ms"] > 0 and 0 < server["peak_token_usage"] < 0.05
+    assert "Mean queue delay:" in md and "Running requests: mean" in md
