@@ -19,7 +19,6 @@ from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
 from loadlab.swarm.options import (
     PASSED_THROUGH,
     add_loadlab_arguments,
-    check_load_model,
     overrides_from_options,
 )
 
@@ -91,7 +90,6 @@ def _cmd_run(args) -> int:
     from loadlab.workload.text import Renderer
 
     profile = load_profile(args.profile, overrides_from_options(args, args.host))
-    check_load_model(profile, args.profile)
     build_workload(profile)
     Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
     if args.master_host is not None and args.workers is None:

@@ -233,11 +233,6 @@ def test_locust_entry_bad_profile_exits_2_before_load(tmp_path):
     _assert_one_line_error(proc, str(bad), "load.concurrency")
 
 
-def test_locust_refuses_an_open_loop_profile_before_load(tmp_path):
-    bad = write(tmp_path, GOOD.replace("  concurrency: 4", "  model: open\n  rate: 5"))
-    _assert_one_line_error(_run(LOCUST + ["--profile-file", str(bad)]), "load.model", "closed loop only")
-
-
 def test_locust_zero_users_exits_2():
     _assert_one_line_error(_run(LOCUST + ["-u", "0"]), "-u/--users", "at least 1")
 

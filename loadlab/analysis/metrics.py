@@ -317,7 +317,7 @@ def describe_load(manifest: dict[str, Any]) -> tuple[str, int | None, float | No
         text = f"{model} loop" if model == "open" else str(model)
         if rate is not None:
             arrival = load.get("arrival")
-            text += f", {rate} req/s" + (f" ({arrival})" if arrival else "")
+            text += f", {float(rate):g} req/s" + (f" ({arrival})" if arrival else "")
         if concurrency is not None:
             text += f", at most {concurrency} in flight"
         return text, _int_or_none(concurrency), _float_or_none(rate)

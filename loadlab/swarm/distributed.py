@@ -48,6 +48,7 @@ from loadlab.records import (
     write_manifest,
 )
 from loadlab.swarm.calibration import ClientMonitor
+from loadlab.swarm.tickets import Ticket
 from loadlab.target import EXIT_TARGET, TargetError, probe
 from loadlab.workload import build_workload
 from loadlab.workload.text import Renderer
@@ -164,11 +165,11 @@ class Coordinator:
         if ticket is not None and self.drain_done:
             ticket = None
         if ticket is not None:  # leased even to a missing worker: lost if it stays missing, kept if it heals
-            self.leases[worker][ticket[0]] = ticket[1]
+            self.leases[worker][ticket.index] = ticket.phase
         self.runner.send_message(
             "loadlab_ticket",
-            {"id": request_id, "index": None if ticket is None else ticket[0],
-             "phase": None if ticket is None else ticket[1]},
+            {"id": request_id, "index": None if ticket is None else ticket.index,
+             "phase": None if ticket is None else ticket.phase, "due": None if ticket is None else ticket.due},
             client_id=worker,
         )  # fmt: skip
 
@@ -282,7 +283,7 @@ class RemoteTickets:
         self.measuring = False
         self.on_measure_start = None  # called once, with this worker's first measured ticket
 
-    def take(self) -> tuple[int, str] | None:
+    def take(self) -> Ticket | None:
         if self.exhausted:
             return None
         request_id = next(self.ids)
@@ -294,7 +295,7 @@ class RemoteTickets:
             self.waiting.pop(request_id, None)
         if ticket is None:
             self.exhausted = True
-        elif ticket[1] == MEASURE and not self.measuring:
+        elif ticket.phase == MEASURE and not self.measuring:
             self.measuring = True
             if self.on_measure_start is not None:
                 self.on_measure_start()
@@ -368,6 +369,7 @@ class WorkerAgent:
         self.out_root = environment.parsed_options.out  # the worker's own --out (the master's differs later)
         self.run: WorkerRun | None = None
         self._pongs: list[tuple[float, float, float]] = []
+        self.clock_offset_s = 0.0  # the master's clock minus this worker's (open-loop due times)
         for name, handler in (
             ("loadlab_run", self._on_run),
             ("loadlab_ticket", self._on_ticket),
@@ -405,15 +407,18 @@ class WorkerAgent:
         if run is None:
             return
         data = msg.data
-        ticket = None if data["index"] is None else (data["index"], data["phase"])
+        due = data.get("due")
+        if due is not None:  # the master's clock, to this worker's
+            due -= self.clock_offset_s
+        ticket = None if data["index"] is None else Ticket(data["index"], data["phase"], due)
         waiter = run.tickets.waiting.get(data["id"])
         if waiter is not None:
             waiter.set(ticket)
         elif ticket is not None:  # the user stopped while waiting: the ticket still needs its one record
             run.record(
                 RequestRecord(
-                    index=ticket[0],
-                    phase=ticket[1],
+                    index=ticket.index,
+                    phase=ticket.phase,
                     api=run.api,
                     worker_id=run.worker_id,
                     user_id=-1,
@@ -447,6 +452,7 @@ class WorkerAgent:
         if not self._pongs:
             return
         t0, t_master, t1 = min(self._pongs, key=lambda p: p[2] - p[0])
+        self.clock_offset_s = t_master - (t0 + t1) / 2
         runner.send_message(
             "loadlab_clock",
             {"clock_offset_s": t_master - (t0 + t1) / 2, "rtt_s": t1 - t0, "host": socket.gethostname(),

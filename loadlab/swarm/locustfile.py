@@ -24,8 +24,8 @@ from loadlab.swarm.calibration import ClientMonitor
 from loadlab.swarm.distributed import Coordinator, WorkerAgent
 from loadlab.swarm.options import (
     EXIT_CLIENT_BOUND,
+    OPEN_LOOP_USERS,
     add_loadlab_arguments,
-    check_load_model,
     overrides_from_options,
 )
 from loadlab.swarm.run import Run
@@ -60,7 +60,6 @@ class _Session:
         _check_out_dir(opts.out)
         self.profile_path = opts.profile_file
         self.profile = load_profile(self.profile_path, overrides_from_options(opts, environment.host))
-        check_load_model(self.profile, self.profile_path)
         self.workload = build_workload(self.profile)
         self.renderer = Renderer(self.profile.target.tokenizer)  # a bad tokenizer file fails here
         self.embedded: EmbeddedServer | None = None
@@ -75,9 +74,9 @@ class _Session:
         except TargetError:
             self.stop_embedded()
             raise
-        # The profile's concurrency applies unless Locust's -u was given.
+        # The profile's concurrency (closed loop; open loop's cap) applies unless Locust's -u was given.
         if opts.num_users is None:
-            opts.num_users = self.profile.load.concurrency
+            opts.num_users = self.profile.load.concurrency or OPEN_LOOP_USERS
         if opts.spawn_rate is None:
             opts.spawn_rate = max(1, opts.num_users)  # all users within about a second
         self.run: Run | None = None

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from loadlab.cliargs import non_negative_float, non_negative_int, positive
-from loadlab.profile import APIS, CLI_OVERRIDES, ProfileError, parse_set_option
+from loadlab.profile import APIS, CLI_OVERRIDES, parse_set_option
 
 DEFAULT_PROFILE = "profiles/default.yaml"
 EXIT_CLIENT_BOUND = 4
 DEFAULT_LIMIT_MS = 2.0  # probe lateness P99 above this: the client's clock error swamps millisecond ITLs
+OPEN_LOOP_USERS = 256  # open loop without a cap on requests in flight: Locust users available to send
 DEFAULT_LIMIT_CPU = 0.85  # of one core, mean over the run: past this, one process is near saturation
 PASSED_THROUGH = (
     "client_limit_ms",
@@ -76,12 +77,3 @@ def overrides_from_options(options, host: str | None) -> dict[str, Any]:
         if value not in (None, ""):
             out[key] = value
     return out
-
-
-def check_load_model(profile, path) -> None:
-    """The Locust users hold a closed loop; an open-loop profile is refused before any load."""
-    if profile.load.model != "closed":
-        raise ProfileError(
-            f"{path}: load.model: the Locust users run closed loop only for now "
-            "(open-loop arrivals run in virtual time: loadlab sim --virtual)"
-        )

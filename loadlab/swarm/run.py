@@ -1,9 +1,5 @@
-"""One load-test run inside a Locust process: request tickets, records, manifest, and the end of the run.
-
-Tickets: request indices are handed out in order, warm-up first. A measured ticket is only handed out once
-every warm-up request has finished (a barrier), so no measured request shares the server with warm-up
-traffic; the cost is that the in-flight count dips while the last warm-up requests drain.
-"""
+"""One load-test run inside a Locust process (one-process runs and a distributed run's master): the run
+directory, records, manifest, lost requests, and the end of the run."""
 
 from __future__ import annotations
 
@@ -17,15 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import gevent
-from gevent.event import Event
 
 import loadlab
 from loadlab.profile import Profile
 from loadlab.records import (
-    MEASURE,
     OK,
     SPILL_DIR,
-    WARMUP,
     RecordWriter,
     default_run_name,
     merge_spills,
@@ -37,51 +30,9 @@ from loadlab.records import (
 from loadlab.swarm.calibration import verdict
 from loadlab.swarm.distributed import worker_id
 from loadlab.swarm.options import DEFAULT_LIMIT_CPU, DEFAULT_LIMIT_MS
+from loadlab.swarm.tickets import Arrivals, Tickets
 
 log = logging.getLogger("loadlab")
-
-
-class Tickets:
-    """Hands out request indices so each index is sent exactly once, warm-up before measured."""
-
-    def __init__(self, warmup: int, measured: int):
-        self.warmup = warmup
-        self.total = warmup + measured
-        self.next_index = 0
-        self.warmup_finished = 0
-        self.measured_finished = 0
-        self.warmup_done = Event()
-        self.all_done = Event()
-        self.measure_started_wall: float | None = None
-        self.on_measure_start = None  # called once, with the first measured ticket
-        if warmup == 0:
-            self.warmup_done.set()
-
-    def take(self) -> tuple[int, str] | None:
-        """The next (index, phase), or None when every request has been handed out. May block at the
-        warm-up barrier."""
-        if self.next_index >= self.total:
-            return None
-        index = self.next_index
-        self.next_index += 1
-        if index < self.warmup:
-            return index, WARMUP
-        self.warmup_done.wait()
-        if self.measure_started_wall is None:
-            self.measure_started_wall = time.time()
-            if self.on_measure_start is not None:
-                self.on_measure_start()
-        return index, MEASURE
-
-    def finished(self, phase: str) -> None:
-        if phase == WARMUP:
-            self.warmup_finished += 1
-            if self.warmup_finished == self.warmup:
-                self.warmup_done.set()
-        else:
-            self.measured_finished += 1
-            if self.measured_finished == self.total - self.warmup:
-                self.all_done.set()
 
 
 class Run:
@@ -105,7 +56,9 @@ class Run:
         self.model = model
         self.workload = workload
         self.renderer = renderer
-        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured)
+        load = profile.load
+        arrivals = Arrivals(load.rate, load.arrival, profile.seed) if load.model == "open" else None
+        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals)
         self.dir = Path(out_root) / unique_run_name(out_root, run_name or default_run_name(profile.name))
         self.dir.mkdir(parents=True)
         self.run_id = self.dir.name
@@ -128,11 +81,7 @@ class Run:
             "profile": profile.model_dump(mode="json"),
             "target": target,
             "model": model,
-            "load": {
-                "model": "closed",
-                "concurrency": users,
-                "description": f"closed loop, {users} in flight",
-            },
+            "load": describe_applied_load(profile, users),
             "started_wall": time.time(),
             "ended_wall": None,
             "complete": False,
@@ -268,6 +217,20 @@ class Run:
             with contextlib.suppress(OSError):
                 spill.rmdir()
         return len(added)
+
+
+def describe_applied_load(profile: Profile, users: int) -> dict[str, Any]:
+    """The load the run applies: Locust's user count is the closed loop's concurrency, or open loop's cap."""
+    load = profile.load
+    if load.model == "closed":
+        return {"model": "closed", "concurrency": users, "description": f"closed loop, {users} in flight"}
+    return {
+        "model": "open",
+        "rate": load.rate,
+        "arrival": load.arrival,
+        "concurrency": users,
+        "description": f"open loop, {load.rate:g} req/s ({load.arrival}), at most {users} in flight",
+    }
 
 
 def _versions() -> dict[str, str]:

@@ -7,6 +7,7 @@ import logging
 import time
 
 from gevent import GreenletExit, idle
+from gevent import sleep as gevent_sleep
 from gevent.lock import Semaphore
 from locust import User, constant, task
 from locust.exception import StopUser
@@ -52,7 +53,11 @@ class SGLangUser(User):
         ticket = run.tickets.take()
         if ticket is None:
             raise StopUser()
-        index, phase = ticket
+        index, phase, due = ticket
+        if due is not None:  # open loop: send at the due time; a late send is client queueing, recorded
+            wait = due - time.time()
+            if wait > 0:
+                gevent_sleep(wait)
         spec = ex = rec = None
         try:
             with _cpu_lane:
@@ -68,6 +73,7 @@ class SGLangUser(User):
             with _cpu_lane:
                 idle()
                 rec = self._to_record(ex, spec, phase)
+                rec.t_scheduled_wall = due
                 self._feed_live_stats(rec)
         except GreenletExit:
             if ex is not None and rec is None:  # the stream had ended; only its bookkeeping was pending
