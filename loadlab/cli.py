@@ -76,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     report.set_defaults(func=_cmd_report)
 
+    sweep = sub.add_parser("sweep", help="run a sweep file: configurations x repeats, relaunching the server")
+    sweep.add_argument("sweep_file", help="sweep YAML, e.g. profiles/seed-batch-sweep.yaml")
+    sweep.add_argument("--out", default=None, metavar="DIR",
+                       help="sweep directory (default: reports/sweep-<name>); the same one resumes")  # fmt: skip
+    sweep.set_defaults(func=_cmd_sweep)
+
     validate = sub.add_parser("validate", help="check profiles without sending load")
     validate.add_argument("profiles", nargs="+")
     validate.set_defaults(func=_cmd_validate)
@@ -209,6 +215,19 @@ def _cmd_report(args) -> int:
     write_report(run_dir)
     print(run_dir / "summary.md")
     return 0
+
+
+def _cmd_sweep(args) -> int:
+    from loadlab.experiment.sweep import load_sweep, run_sweep
+    from loadlab.target import TargetError
+
+    spec = load_sweep(args.sweep_file)
+    out = Path(args.out or Path("reports") / f"sweep-{spec['name']}")
+    try:
+        return run_sweep(spec, out, args.locust_args and ["--", *args.locust_args])
+    except TargetError as e:
+        print(f"loadlab sweep: {e}", file=sys.stderr)
+        return 3
 
 
 def _cmd_validate(args) -> int:

@@ -1,0 +1,1 @@
+"""Experiments: sweeps over server and client settings (`loadlab sweep`)."""

@@ -1,0 +1,386 @@
+"""`loadlab sweep SWEEP.yaml`: the seed's method as one command.
+
+For every configuration (the product of the axes): start the server from the launch template if a server
+argument varies (argv, never a shell string; the same shape for `loadlab sim` and
+`python -m sglang.launch_server`), wait until it answers, run the profile R times (the first repeat with
+the profile's warm-up, the others on the warm server without), stop the server. Progress is printed
+(configuration k of n, repeat r, ETA). State is kept in `sweep.json` after every run, so an interrupted
+sweep keeps its finished runs and `loadlab sweep` on the same directory resumes where it stopped. At the
+end: the median of the repeats with their spread per configuration, the knee, the SLO-first choice with a
+reason for every rejected configuration, plain-language findings, written to `sweep.md` / `sweep.json`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loadlab.profile import ProfileError, load_profile
+from loadlab.target import TargetError, die_with_parent, probe
+
+SWEEP_STATE = "sweep.json"
+SWEEP_MD = "sweep.md"
+KNEE_GAIN = 0.05  # the knee: the first configuration after which the next adds less than 5% throughput
+
+# The seed's table: (column, summary path, scale, digits)
+COLUMNS = (
+    ("output tok/s", ("output_throughput",), 1, 0),
+    ("TTFT P50 ms", ("median_ttft_ms",), 1, 0),
+    ("TTFT P95 ms", ("p95_ttft_ms",), 1, 0),
+    ("TPOT P95 ms", ("p95_tpot_ms",), 1, 1),
+    ("mean queue delay ms", ("server", "mean_queue_time_ms"), 1, 0),
+    ("peak KV usage %", ("server", "peak_token_usage"), 100, 0),
+    ("in flight (mean)", ("in_flight", "mean"), 1, 1),
+    ("max running", ("server", "max_running"), 1, 0),
+    ("retractions", ("server", "retractions"), 1, 0),
+)
+
+
+class SweepError(ProfileError):
+    """A bad sweep file: one line, like a profile error."""
+
+
+def load_sweep(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise SweepError(f"{path}: cannot read the sweep file: {e}") from None
+    if not isinstance(data, dict):
+        raise SweepError(f"{path}: a sweep file is a mapping (profile, axes, ...)")
+    known = {"name", "profile", "axes", "repeats", "launch", "url", "ready_timeout_s", "set", "slo"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SweepError(f"{path}: {unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+    if "profile" not in data:
+        raise SweepError(f"{path}: profile: missing (the base profile, e.g. profiles/rag.yaml)")
+    axes = data.get("axes")
+    if not isinstance(axes, dict) or not axes or not all(isinstance(v, list) and v for v in axes.values()):
+        raise SweepError(f"{path}: axes: a mapping of name -> non-empty list of values")
+    launch = data.get("launch")
+    if launch is not None and not (
+        isinstance(launch, list) and all(isinstance(a, str | int | float) for a in launch)
+    ):
+        raise SweepError(f"{path}: launch: an argv list (strings), never a shell string")
+    server_axes = [a for a in axes if "." not in a]
+    if server_axes and launch is None:
+        raise SweepError(
+            f"{path}: axes: {server_axes[0]}: a server argument needs a launch template (launch:)"
+        )
+    for axis in server_axes:
+        if not any("{" + axis + "}" in str(a) for a in launch):
+            raise SweepError(f"{path}: axes: {axis}: not a {{{axis}}} placeholder in launch")
+    repeats = data.get("repeats", 1)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise SweepError(f"{path}: repeats: a positive integer (got {repeats!r})")
+    base = (
+        (path.parent / data["profile"]) if not Path(data["profile"]).is_absolute() else Path(data["profile"])
+    )
+    if not base.exists() and Path(data["profile"]).exists():
+        base = Path(data["profile"])
+    profile = load_profile(base)  # a bad base profile fails here, with its own file:line message
+    return {
+        "name": data.get("name") or path.stem,
+        "file": str(path),
+        "profile": str(base),
+        "axes": axes,
+        "repeats": repeats,
+        "launch": [str(a) for a in launch] if launch else None,
+        "url": data.get("url", "http://127.0.0.1:{port}"),
+        "ready_timeout_s": float(data.get("ready_timeout_s", 600)),
+        "set": [str(s) for s in data.get("set") or []],
+        "slo": data.get("slo") or profile.slo.model_dump(exclude_none=True),
+        "warmup": profile.requests.warmup,
+    }
+
+
+def configurations(axes: dict[str, list]) -> list[dict[str, Any]]:
+    names = list(axes)
+    return [dict(zip(names, values, strict=True)) for values in itertools.product(*(axes[n] for n in names))]
+
+
+def label(config: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in config.items())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedServer:
+    """A target started from the launch template for one configuration, ready when it answers."""
+
+    def __init__(self, argv: list[str], url: str, ready_timeout_s: float, log_path: Path):
+        self.argv, self.url, self.ready_timeout_s, self.log_path = argv, url, ready_timeout_s, log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "loadlab", *self.argv[1:]] if self.argv[0] == "loadlab" else self.argv
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=die_with_parent, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise TargetError(
+                    f"the server exited with status {self.proc.returncode}; see {self.log_path}"
+                )
+            try:
+                probe(self.url, need_model=False, wait_s=0)
+                return
+            except TargetError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TargetError(
+                        f"the server did not answer at {self.url} within {self.ready_timeout_s:g} s"
+                    ) from None
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def run_sweep(spec: dict[str, Any], out: Path, extra_run_args: list[str] | None = None) -> int:
+    """Runs (or resumes) the sweep into ``out``; returns 0 when complete, 130 when interrupted."""
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / SWEEP_STATE
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    configs = configurations(spec["axes"])
+    runs: dict[str, str] = state.get("runs", {})  # "k/r" -> run dir, finished runs only
+    if state and state.get("configs") != configs:
+        raise SweepError(f"{out}: holds a different sweep (axes changed); use another --out")
+    total = len(configs) * spec["repeats"]
+    interrupted = []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+    started, done_here = time.monotonic(), 0
+    try:
+        for k, config in enumerate(configs):
+            todo = [r for r in range(spec["repeats"]) if f"{k}/{r}" not in runs]
+            if not todo or interrupted:
+                continue
+            server_args = {a: v for a, v in config.items() if "." not in a}
+            server = None
+            url = None
+            if spec["launch"]:  # a fresh server per configuration
+                port = _free_port()
+                fill = {**{a: str(v) for a, v in server_args.items()}, "port": str(port)}
+                argv = [a.format(**fill) for a in spec["launch"]]
+                url = spec["url"].format(**fill)
+                server = LaunchedServer(argv, url, spec["ready_timeout_s"], out / f"server-{k}.log")
+                print(f"loadlab sweep: configuration {k + 1}/{len(configs)} ({label(config)}): starting "
+                      f"the server", file=sys.stderr, flush=True)  # fmt: skip
+                server.start()
+            try:
+                for r in todo:
+                    if interrupted:
+                        break
+                    eta = ""
+                    if done_here:
+                        left = total - len(runs)
+                        eta = f", about {(time.monotonic() - started) / done_here * left:.0f} s to go"
+                    print(f"loadlab sweep: configuration {k + 1}/{len(configs)} ({label(config)}), repeat "
+                          f"{r + 1}/{spec['repeats']}{eta}", file=sys.stderr, flush=True)  # fmt: skip
+                    run_dir = _one_run(spec, out, k, r, config, url, extra_run_args or [])
+                    if run_dir is None:  # cut short by Ctrl-C: not a finished run
+                        interrupted.append(1)
+                        break
+                    runs[f"{k}/{r}"] = str(run_dir)
+                    done_here += 1
+                    _save(state_path, spec, configs, runs)
+            finally:
+                if server is not None:
+                    server.stop()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _save(state_path, spec, configs, runs)
+    result = aggregate(spec, configs, runs)
+    (out / SWEEP_MD).write_text(render(spec, result, complete=not interrupted and len(runs) == total))
+    state = json.loads(state_path.read_text())
+    state["result"] = result
+    state_path.write_text(json.dumps(state, indent=2, default=str))
+    if interrupted:
+        print(f"loadlab sweep: interrupted; {len(runs)} of {total} runs kept. Run the same command to resume.",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 130
+    print(out / SWEEP_MD, flush=True)
+    return 0
+
+
+def _save(path: Path, spec: dict[str, Any], configs: list[dict], runs: dict[str, str]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"spec": spec, "configs": configs, "runs": runs}, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _one_run(spec, out: Path, k: int, r: int, config: dict, url: str | None, extra: list[str]) -> Path | None:
+    name = f"c{k:02d}-r{r}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadlab",
+        "run",
+        spec["profile"],
+        "--out",
+        str(out / "runs"),
+        "--run-name",
+        name,
+    ]
+    if url:
+        cmd += ["--host", url]
+    for item in spec["set"]:
+        cmd += ["--set", item]
+    for axis, value in config.items():
+        if "." in axis:
+            cmd += ["--set", f"{axis}={value}"]
+    for key, value in spec["slo"].items():
+        cmd += ["--set", f"slo.{key}={value}"]
+    if r > 0:
+        cmd += ["--warmup-requests", "0"]  # the server is warm: the first repeat warmed it
+    cmd += extra
+    # Ctrl-C reaches the run too (same process group): it records what was in flight and exits 1.
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        if done.returncode in (1, 130) or done.returncode < 0:  # cut short (Ctrl-C), even while starting
+            return None
+        raise TargetError(f"run {name} failed (exit status {done.returncode})")
+    return Path(lines[-1])
+
+
+def _get(d: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(key)
+    return d
+
+
+def aggregate(spec: dict[str, Any], configs: list[dict], runs: dict[str, str]) -> dict[str, Any]:
+    rows = []
+    for k, config in enumerate(configs):
+        summaries = []
+        for r in range(spec["repeats"]):
+            run_dir = runs.get(f"{k}/{r}")
+            if run_dir and (Path(run_dir) / "summary.json").exists():
+                summaries.append(json.loads((Path(run_dir) / "summary.json").read_text()))
+        row: dict[str, Any] = {"config": config, "repeats": len(summaries), "values": {}}
+        for column, path, scale, _ in COLUMNS:
+            values = [v * scale for s in summaries if isinstance(v := _get(s, path), int | float)]
+            row["values"][column] = {
+                "median": statistics.median(values) if values else None,
+                "min": min(values) if values else None,
+                "max": max(values) if values else None,
+            }
+        row["failed"] = sum(int(s.get("failed") or 0) for s in summaries)
+        rows.append(row)
+    return {"rows": rows, **choose(spec, rows)}
+
+
+def _median(row: dict, column: str) -> float | None:
+    return row["values"][column]["median"]
+
+
+def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
+    """The knee along the sweep's order and the SLO-first choice, with reasons and findings."""
+    done = [r for r in rows if r["repeats"]]
+    thr = [_median(r, "output tok/s") for r in done]
+    knee = None
+    for i, t in enumerate(thr):
+        nxt = thr[i + 1] if i + 1 < len(thr) else None
+        if t is not None and (nxt is None or nxt < t * (1 + KNEE_GAIN)):
+            knee = label(done[i]["config"])
+            break
+    slo = spec.get("slo") or {}
+    limits = {"TTFT P95 ms": slo.get("ttft_p95_ms"), "TPOT P95 ms": slo.get("tpot_p95_ms")}
+    rejected, passing = [], []
+    for r in done:
+        reasons = []
+        for column, limit in limits.items():
+            value = _median(r, column)
+            if limit is not None and (value is None or value > limit):
+                reasons.append(f"{column.replace(' ms', '')} {value:.0f} ms > {limit:g} ms" if value is not None
+                               else f"no {column}")  # fmt: skip
+        if r["failed"]:
+            reasons.append(f"{r['failed']} failed requests")
+        (rejected if reasons else passing).append((r, reasons))
+    choice = max(passing, key=lambda p: _median(p[0], "output tok/s") or 0)[0] if passing else None
+    findings = []
+    server_axes = [a for a in (done[0]["config"] if done else {}) if "." not in a]
+    for axis in server_axes:
+        never_bound = []
+        for r in done:
+            limit, running = r["config"][axis], _median(r, "max running")
+            if isinstance(limit, int | float) and running is not None and running < limit:
+                never_bound.append(limit)
+        if never_bound and "running" in axis:
+            peak = max(_median(r, "max running") or 0 for r in done)
+            findings.append(f"{axis} at {', '.join(str(v) for v in never_bound)} never bound: at most "
+                            f"{peak:.0f} requests were ever running, below the limit")  # fmt: skip
+    first_retract = next((r for r in done if (_median(r, "retractions") or 0) > 0), None)
+    if first_retract is not None:
+        findings.append(
+            f"retractions appear from {label(first_retract['config'])}: the KV pool ran out during decode"
+        )
+    return {
+        "knee": knee,
+        "choice": label(choice["config"]) if choice else None,
+        "slo": slo,
+        "rejected": [{"config": label(r["config"]), "reasons": why} for r, why in rejected],
+        "findings": findings,
+    }
+
+
+def render(spec: dict[str, Any], result: dict[str, Any], complete: bool) -> str:
+    lines = [f"# loadlab sweep: {spec['name']}", ""]
+    if not complete:
+        lines += ["> **Incomplete**: interrupted; the table holds the finished runs. Run the same command to "
+                  "resume.", ""]  # fmt: skip
+    lines += [f"Profile `{spec['profile']}`, {spec['repeats']} repeat(s) per configuration; each cell is the "
+              "median of the repeats with their range in brackets.", ""]  # fmt: skip
+    axis_names = list(spec["axes"])
+    header = axis_names + [c for c, *_ in COLUMNS]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    for row in result["rows"]:
+        cells = [str(row["config"][a]) for a in axis_names]
+        for column, _, _, digits in COLUMNS:
+            v = row["values"][column]
+            if v["median"] is None:
+                cells.append("n/a")
+            elif v["min"] == v["max"]:
+                cells.append(f"{v['median']:.{digits}f}")
+            else:
+                cells.append(f"{v['median']:.{digits}f} [{v['min']:.{digits}f}-{v['max']:.{digits}f}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    slo = result.get("slo") or {}
+    lines += [
+        "",
+        f"- Knee (the next configuration adds < {KNEE_GAIN:.0%} throughput): {result['knee'] or 'n/a'}",
+    ]
+    slo_text = ", ".join(f"{k} < {v:g}" for k, v in slo.items()) or "none"
+    lines.append(
+        f"- SLO-first choice (highest throughput meeting {slo_text}): {result['choice'] or 'none meets it'}"
+    )
+    for item in result["rejected"]:
+        lines.append(f"  - rejected {item['config']}: {'; '.join(item['reasons'])}")
+    for finding in result["findings"]:
+        lines.append(f"- {finding}")
+    return "\n".join(lines) + "\n"
