@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="sweep directory (default: reports/sweep-<name>); the same one resumes")  # fmt: skip
     sweep.set_defaults(func=_cmd_sweep)
 
-    validate = sub.add_parser("validate", help="check profiles without sending load")
+    validate = sub.add_parser("validate", help="check profiles and sweep files without sending load")
     validate.add_argument("profiles", nargs="+")
     validate.set_defaults(func=_cmd_validate)
 
@@ -231,7 +231,14 @@ def _cmd_sweep(args) -> int:
 
 
 def _cmd_validate(args) -> int:
+    from loadlab.experiment.sweep import configurations, is_sweep_file, load_sweep
+
     for path in args.profiles:
+        if is_sweep_file(path):
+            spec = load_sweep(path)
+            n = len(configurations(spec["axes"]))
+            print(f"{path}: ok (sweep: {n} configurations x {spec['repeats']} repeats of {spec['profile']})")
+            continue
         profile = load_profile(path)
         print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests)")
     return 0

@@ -51,6 +51,15 @@ class SweepError(ProfileError):
     """A bad sweep file: one line, like a profile error."""
 
 
+def is_sweep_file(path: str | Path) -> bool:
+    """A sweep file has axes; a profile does not (an unreadable file is left to the profile loader)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and "axes" in data
+
+
 def load_sweep(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
