@@ -103,7 +103,7 @@ def test_two_workers_send_every_index_once_with_warmup_first(tmp_path):
     gens = {g["worker_id"]: g for g in manifest["load_generators"]}
     assert set(gens) == workers
     for g in gens.values():  # same machine: the offset estimate is near zero and the round trip short
-        assert abs(g["clock_offset_s"]) < 0.02 and 0 < g["rtt_s"] < 0.1, g
+        assert abs(g["clock_offset_s"]) <= g["rtt_s"] / 2 + 0.005 and 0 < g["rtt_s"] < 1.0, g
         assert g["lost_in_flight"] == 0 and g["record_batches_missing"] == 0
     assert sum(g["records"] for g in gens.values()) == 72
     summary = json.loads((run / "summary.json").read_text())

@@ -101,7 +101,7 @@ def test_open_loop_arrivals_and_queue_limit(tmp_path):
     assert m["load"]["model"] == "open" and m["load"]["rate"] == 200.0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["failures"] == {"http_error": int((refused.phase == "measure").sum())}
-    assert summary["load_model"].startswith("open loop, 200.0 req/s")
+    assert summary["load_model"].startswith("open loop, 200 req/s")
 
 
 def test_virtual_is_deterministic():
