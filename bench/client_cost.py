@@ -6,10 +6,10 @@ GAP ms, each write logged with its wall-clock time) pinned to one core, and for 
 after the other on the other core (`taskset`):
 
   loadlab  `loadlab run tests/profiles/timing.yaml` (one Locust process: users users, users warm-up and
-           requests-per-user x users measured requests)
+           N x users measured requests, N = max(--requests-per-user, --min-requests / users))
   naive    `locust -f bench/naive_locustfile.py`: a FastHttpUser per user reading the stream line by line,
-           json.loads per event, a Locust request event per token event (1 warm-up + requests-per-user
-           measured requests per user)
+           json.loads per event, a Locust request event per token event (1 warm-up + N measured requests
+           per user)
 
 Rows are interleaved (loadlab, naive, next user count), so each pair shares the machine's conditions. Per run:
 
@@ -29,72 +29,54 @@ Rows are interleaved (loadlab, naive, next user count), so each pair shares the 
               lateness probe's P99), its mean CPU (client.generators[0].cpu_mean) and its verdict
               (client.client_bound, with the default limits 2 ms / 0.85 unless --client-limit-* are given)
 
-At the end: the naive/loadlab ratio of us/event per user count, and per kind the highest events/s at which
-both TTFT and ITL error P99 stay <= 1 ms (and <= 2 ms).
+At the end: every loadlab run's self-calibration verdict against its measured error (MISSED: measured P99
+above the limit, not flagged; FALSE ALARM: flagged, measured P99 within it), the naive/loadlab ratio of
+us/event per user count, and per kind the highest events/s at which both TTFT and ITL error P99 stay
+<= 1 ms (and <= 2 ms). With --repeats R the rows run R rounds, interleaved, and the table of medians follows.
+
+The floor (--floor-users): the same streams read without Locust, one reader per process on the client core,
+for --floor-seconds: plain Python epoll + recv, gevent sockets, loadlab's StreamingClient (geventhttpclient
+readline), and that plus json.loads per event (see floor_reader): what reading alone costs per event.
 
     python bench/client_cost.py [--users 16 64 128 256] [--gap-ms 10] [--ttft-ms GAP] [--tokens 64]
-                                [--requests-per-user 6] [--repeats 1] [--kinds loadlab naive]
-                                [--server-cpu 0] [--client-cpu 1] [--keep]
+                                [--requests-per-user 6] [--min-requests 400] [--repeats 1]
+                                [--kinds loadlab naive] [--floor-users 50 100] [--floor-seconds 5]
+                                [--server-cpu 0] [--client-cpu 1] [--client-limit-ms MS]
+                                [--client-limit-cpu F] [--keep]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import orjson
 import pandas as pd
+from common import MACHINE, CpuSampler, dist
 
 from loadlab.records import load_records
-from loadlab.sim.scripted import read_log, timing_errors
+from loadlab.sim.scripted import timing_errors
 from loadlab.target import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "tests" / "profiles" / "timing.yaml"
 NAIVE = REPO / "bench" / "naive_locustfile.py"
-TICKS = os.sysconf("SC_CLK_TCK")
 SAMPLE_S = 0.05
 KINDS = ("loadlab", "naive")
 
 
-def dist(values) -> list[float]:
-    """P50, P95, P99 and max of |values|."""
-    mags = np.abs(np.asarray(values, dtype=float))
-    if not mags.size:
-        return [float("nan")] * 4
-    return [*np.percentile(mags, [50, 95, 99]), mags.max()]
-
-
 def num(value) -> float:
     return float("nan") if value is None else float(value)
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """CPU time of every live thread of ``pid`` (ns resolution, from schedstat), or None when it has gone."""
-    total = 0
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return total / 1e9
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds all cores have spent busy since boot (/proc/stat: everything but idle and iowait)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / TICKS
 
 
 def is_locust(pid: int) -> bool:
@@ -117,57 +99,41 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-MACHINE = -1
+class ServerLog:
+    """The scripted server's log (read_log's format), read incrementally: it grows with every run."""
 
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.entries: dict[str, dict] = {}
 
-class CpuSampler:
-    """Samples the CPU time of the Locust process(es) at or below ``root``, of ``server`` and of the machine."""
-
-    def __init__(self, root: int, server: int):
-        self.root = root
-        self.clients: set[int] = set()
-        self.server = server
-        self.samples: dict[int, list[tuple[float, float]]] = {server: [], MACHINE: []}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while not self.stop.is_set():
-            for pid in [self.root, *descendants(self.root)]:
-                if pid not in self.samples and is_locust(pid):
-                    self.clients.add(pid)
-                    self.samples[pid] = []
-            for pid, series in self.samples.items():
-                now = time.time()
-                cpu = machine_busy_seconds() if pid == MACHINE else cpu_seconds(pid)
-                if cpu is not None:
-                    series.append((now, cpu))
-            self.stop.wait(SAMPLE_S)
-
-    def finish(self) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def used(self, pid: int, t0: float, t1: float) -> float:
-        series = self.samples.get(pid) or []
-        if len(series) < 2:
-            return float("nan")
-        walls, cpus = zip(*series, strict=True)
-        return float(np.interp(t1, walls, cpus) - np.interp(t0, walls, cpus))
-
-    def client_used(self, t0: float, t1: float) -> float:
-        return sum(self.used(p, t0, t1) for p in self.clients) if self.clients else float("nan")
+    def read(self) -> dict[str, dict]:
+        time.sleep(0.2)  # the server logs a request just after its last write
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        whole = data.rfind(b"\n") + 1  # complete lines only
+        self.offset += whole
+        for line in data[:whole].splitlines():
+            if line.strip():
+                entry = orjson.loads(line)
+                self.entries[entry["id"]] = entry
+        return self.entries
 
 
 def pinned(cmd: list[str], cpu: str | None) -> list[str]:
     return ["taskset", "-c", cpu, *cmd] if cpu is not None else cmd
 
 
+def per_user(args, users: int) -> int:
+    """Measured requests per user: --requests-per-user, more when that gives under --min-requests."""
+    return max(args.requests_per_user, -(-args.min_requests // users))
+
+
 def run_loadlab(args, url: str, out: Path, users: int) -> tuple[subprocess.Popen, callable]:
     cmd = [sys.executable, "-m", "loadlab", "run", str(PROFILE), "--host", f"{url}/case/normal",
            "--out", str(out), "--concurrency", str(users), "--warmup-requests", str(users),
-           "--num-requests", str(args.requests_per_user * users), "--output-len", str(args.tokens)]  # fmt: skip
+           "--num-requests", str(per_user(args, users) * users), "--output-len", str(args.tokens)]  # fmt: skip
     if args.client_limit_ms is not None:
         cmd += ["--client-limit-ms", str(args.client_limit_ms)]
     if args.client_limit_cpu is not None:
@@ -189,7 +155,7 @@ def run_naive(args, url: str, out: Path, users: int) -> tuple[subprocess.Popen, 
     records_out = out / f"naive-{users}-{time.time_ns()}.jsonl"
     cmd = [sys.executable, "-m", "locust", "-f", str(NAIVE), "--headless", "--only-summary",
            "-u", str(users), "-r", str(users), "--host", f"{url}/case/normal", "-t", f"{args.timeout_s}s",
-           "--records-out", str(records_out), "--requests-per-user", str(args.requests_per_user),
+           "--records-out", str(records_out), "--requests-per-user", str(per_user(args, users)),
            "--warmup-per-user", "1", "--max-new-tokens", str(args.tokens)]  # fmt: skip
     proc = subprocess.Popen(
         pinned(cmd, args.client_cpu), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
@@ -202,10 +168,14 @@ def run_naive(args, url: str, out: Path, users: int) -> tuple[subprocess.Popen, 
     return proc, collect
 
 
-def one_run(args, server: ServerProcess, log: Path, out: Path, kind: str, users: int) -> dict:
+def one_run(args, server: ServerProcess, log: ServerLog, out: Path, kind: str, users: int) -> dict:
     start = run_loadlab if kind == "loadlab" else run_naive
     proc, collect = start(args, server.url, out, users)
-    sampler = CpuSampler(proc.pid, server.proc.pid)
+    sampler = CpuSampler(
+        server.proc.pid,
+        lambda: {p: "client" for p in [proc.pid, *descendants(proc.pid)] if is_locust(p)},
+        SAMPLE_S,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=args.timeout_s + 60)
     finally:
@@ -214,11 +184,11 @@ def one_run(args, server: ServerProcess, log: Path, out: Path, kind: str, users:
         raise RuntimeError(f"{kind} run at {users} users exited {proc.returncode}:\n{stderr[-2000:]}")
     records, client = collect(stdout)
     measure = records[records.phase == "measure"]
-    ttft, itl, problems = timing_errors(measure, read_log(log))
+    ttft, itl, problems = timing_errors(measure, log.read())
     if problems:
         print(f"# {kind} {users}: {len(problems)} join problems, e.g. {problems[0]}", file=sys.stderr)
     ok = measure[measure.outcome == "ok"]
-    expected = users * args.requests_per_user
+    expected = users * per_user(args, users)
     if len(ok) != expected:
         print(f"# {kind} {users}: only {len(ok)} of {expected} measured requests ok", file=sys.stderr)
     # The measured window and every event (any phase) that arrived in it.
@@ -229,7 +199,7 @@ def one_run(args, server: ServerProcess, log: Path, out: Path, kind: str, users:
         arrivals = float(r.t_send_wall) + np.asarray(r.arrival_ms, dtype=float) / 1000.0
         events += int(np.count_nonzero((arrivals >= t0) & (arrivals <= t1)))
     span = t1 - t0
-    client_s = sampler.client_used(t0, t1)
+    client_s = sampler.role_used({"client"}, t0, t1)
     server_s = sampler.used(server.proc.pid, t0, t1)
     gens = client.get("generators") or [{}]
     return {
@@ -245,6 +215,122 @@ def one_run(args, server: ServerProcess, log: Path, out: Path, kind: str, users:
         "self_cpu": num(gens[0].get("cpu_mean")),
         "bound": client.get("client_bound"),
     }
+
+
+# ---- the floor: what reading the same streams costs without Locust, per reader ----------------------------
+
+FLOOR_READERS = ("epoll", "gevent", "ghc", "ghc+json")
+
+
+def floor_reader(name: str, url: str, users: int, seconds: float, tokens: int) -> dict:
+    """Runs ``users`` closed-loop streams with one reader for ``seconds`` (after 2 s of warm-up) in this
+    process and returns events/s and CPU per event. Readers, from the cheapest:
+      epoll     plain Python: one selectors.EpollSelector loop, socket.recv per wake-up, events counted in the
+                raw bytes (no HTTP parsing): the floor for a Python reader with one wake-up per event
+      gevent    a greenlet per stream on gevent sockets, recv + count, no HTTP parsing
+      ghc       loadlab's StreamingClient.post_stream (geventhttpclient, readline + perf_counter per line,
+                per-recv idle timeout), no Locust, no decoding
+      ghc+json  the same plus json.loads of every event (what the naive user parses), still no Locust"""
+    import resource
+
+    split = urlsplit(url)
+    body = orjson.dumps({"text": "x " * 16, "sampling_params": {"max_new_tokens": tokens}, "stream": True})
+    request = (
+        b"POST /case/normal/generate HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (split.netloc.encode(), len(body), body)
+    )
+    end = b"0\r\n\r\n"
+    count = [0]
+    if name == "epoll":
+        import selectors
+        import socket
+
+        sel = selectors.EpollSelector()
+        for _ in range(users):
+            sock = socket.create_connection((split.hostname, split.port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+            sock.sendall(request)
+            sel.register(sock, selectors.EVENT_READ, [b""])
+
+        def wait(until: float) -> None:
+            while time.time() < until:
+                for key, _ in sel.select(0.1):
+                    data = key.fileobj.recv(65536)
+                    time.perf_counter()  # the receipt timestamp a client would take
+                    count[0] += data.count(b"data: {")
+                    key.data[0] = tail = (key.data[0] + data)[-5:]
+                    if tail == end:
+                        key.data[0] = b""
+                        key.fileobj.sendall(request)
+    else:
+        import gevent
+        from gevent import socket as gsocket
+
+        from loadlab.client.protocol import META_KEY
+        from loadlab.client.request import new_exchange
+        from loadlab.client.stream import StreamingClient
+
+        def raw_user() -> None:
+            sock = gsocket.create_connection((split.hostname, split.port))
+            sock.setsockopt(gsocket.IPPROTO_TCP, gsocket.TCP_NODELAY, 1)
+            while True:
+                sock.sendall(request)
+                tail = b""
+                while tail != end:
+                    data = sock.recv(65536)
+                    time.perf_counter()
+                    count[0] += data.count(b"data: {")
+                    tail = (tail + data)[-5:]
+
+        stamps: list[float] = []  # receipt times of the events of finished streams (ghc readers)
+
+        def ghc_user(parse: bool) -> None:
+            client = StreamingClient(f"{url}/case/normal", 10.0, 30.0, 600.0)
+            while True:
+                ex = new_exchange()
+                client.post_stream("/generate", body, ex, keep_from=None if parse else META_KEY)
+                for line, t in zip(ex.lines, ex.times, strict=True):
+                    # with keep_from a data line starts at "meta_info": (as in loadlab)
+                    if len(line) > 2 and not line.startswith(b"data: [DONE]"):
+                        stamps.append(t)
+                        if parse:
+                            json.loads(line[6:])
+
+        target = {"gevent": raw_user, "ghc": lambda: ghc_user(False), "ghc+json": lambda: ghc_user(True)}[
+            name
+        ]
+        for _ in range(users):
+            gevent.spawn(target)
+
+        def wait(until: float) -> None:
+            gevent.sleep(until - time.time())
+
+    wait(time.time() + 2.0)
+    r0, n0, w0, p0 = resource.getrusage(resource.RUSAGE_SELF), count[0], time.time(), time.perf_counter()
+    wait(w0 + seconds)
+    r1, n1, w1, p1 = resource.getrusage(resource.RUSAGE_SELF), count[0], time.time(), time.perf_counter()
+    if name.startswith("ghc"):  # events are known when their stream ends: let the streams in flight finish
+        wait(time.time() + 2.0)
+        n0, n1 = 0, sum(1 for t in stamps if p0 <= t <= p1)
+    events = max(n1 - n0, 1)
+    user, sys_ = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
+    return {
+        "events_s": events / (w1 - w0),
+        "cpu": 100.0 * (user + sys_) / (w1 - w0),
+        "us_event": 1e6 * (user + sys_) / events,
+        "user_us": 1e6 * user / events,
+        "sys_us": 1e6 * sys_ / events,
+    }
+
+
+def run_floor(args, url: str, reader: str, users: int) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--floor-reader", reader, "--floor-url", url,
+           "--floor-n", str(users), "--floor-seconds", str(args.floor_seconds), "--tokens", str(args.tokens)]  # fmt: skip
+    proc = subprocess.run(pinned(cmd, args.client_cpu), capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"floor reader {reader} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return orjson.loads(proc.stdout.strip().splitlines()[-1])
 
 
 HEADER = (
@@ -280,6 +366,7 @@ def main() -> int:
     parser.add_argument("--users", type=int, nargs="+", default=[16, 64, 128, 256])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--requests-per-user", type=int, default=6)
+    parser.add_argument("--min-requests", type=int, default=400, help="measured requests per run, at least")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--gap-ms", type=float, default=10.0)
     parser.add_argument("--ttft-ms", type=float, default=None, help="default: the gap")
@@ -289,8 +376,20 @@ def main() -> int:
     parser.add_argument("--client-limit-ms", type=float, default=None, help="passed to loadlab run")
     parser.add_argument("--client-limit-cpu", type=float, default=None, help="passed to loadlab run")
     parser.add_argument("--timeout-s", type=int, default=300, help="per run")
+    parser.add_argument("--floor-users", type=int, nargs="*", default=[50, 100],
+                        help="user counts for the reader floor (none: skip it)")  # fmt: skip
+    parser.add_argument("--floor-seconds", type=float, default=5.0)
     parser.add_argument("--keep", action="store_true", help="keep the run directories and the server log")
+    parser.add_argument("--floor-reader", choices=FLOOR_READERS, help=argparse.SUPPRESS)
+    parser.add_argument("--floor-url", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.floor_reader:  # one floor measurement, in its own (pinned) process
+        result = floor_reader(
+            args.floor_reader, args.floor_url, args.floor_n, args.floor_seconds, args.tokens
+        )
+        print(orjson.dumps(result).decode(), flush=True)
+        os._exit(0)  # the readers' streams are still open: do not wait for them
     args.ttft_ms = args.gap_ms if args.ttft_ms is None else args.ttft_ms
     if not shutil.which("taskset") or (os.cpu_count() or 1) < 2:
         args.server_cpu = args.client_cpu = ""
@@ -305,10 +404,11 @@ def main() -> int:
                 "--ttft-ms", str(args.ttft_ms), "--gap-ms", str(args.gap_ms)], args.server_cpu)
     )  # fmt: skip
     server.start()
+    server_log = ServerLog(log)
     print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, {time.ctime()}")
     print(f"# server on core {args.server_cpu}, client on core {args.client_cpu}; TTFT {args.ttft_ms} ms, "
-          f"gap {args.gap_ms} ms, {args.tokens} tokens/request, {args.requests_per_user} measured "
-          f"requests/user (+1 warm-up); CPU in % of one core, errors in ms")  # fmt: skip
+          f"gap {args.gap_ms} ms, {args.tokens} tokens/request, max({args.requests_per_user}, "
+          f"{args.min_requests} / users) measured requests/user (+1 warm-up); CPU in % of one core, errors in ms")  # fmt: skip
     print(HEADER, flush=True)
     rows: dict[tuple[str, int], list[dict]] = {}
     ratios: dict[int, list[float]] = {}
@@ -318,12 +418,22 @@ def main() -> int:
             for users in args.users:
                 pair = {}
                 for kind in args.kinds:
-                    row = one_run(args, server, log, work / "runs", kind, users)
+                    row = one_run(args, server, server_log, work / "runs", kind, users)
                     rows.setdefault((kind, users), []).append(row)
                     pair[kind] = row
                     print(line(kind, users, row), flush=True)
                 if len(pair) == 2:
-                    ratios.setdefault(users, []).append(pair["naive"]["us_event"] / pair["loadlab"]["us_event"])
+                    ratios.setdefault(users, []).append(
+                        pair["naive"]["us_event"] / pair["loadlab"]["us_event"]
+                    )
+        if args.floor_users:
+            print("# floor: the same streams read without Locust (one process, client core), per reader")
+            print("reader    users  events/s  client CPU  us/event  (user  sys)")
+            for users in args.floor_users:
+                for reader in FLOOR_READERS:
+                    f = run_floor(args, server.url, reader, users)
+                    print(f"{reader:9} {users:5d} {f['events_s']:9,.0f} {f['cpu']:10.0f}% {f['us_event']:9.1f}"
+                          f"  ({f['user_us']:4.1f} {f['sys_us']:4.1f})", flush=True)  # fmt: skip
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1
@@ -339,6 +449,31 @@ def main() -> int:
         print(HEADER)
         for (kind, users), row in sorted(final.items(), key=lambda kv: (kv[0][1], KINDS.index(kv[0][0]))):
             print(line(kind, users, row) + (f"  {row['flags']}" if kind == "loadlab" else ""))
+    runs = [(u, r) for (k, u), rs in rows.items() if k == "loadlab" for r in rs]
+    if runs:
+        limit = args.client_limit_ms if args.client_limit_ms is not None else 2.0
+        print(f"# self-calibration, every loadlab run: load = events/s / ideal (< 90%: past capacity; >= 95% with"
+              f" client CPU < 50%: well inside); measured = max(TTFT, ITL) error P99; check = the verdict"
+              f" against the measured P99 and the {limit:g} ms limit")  # fmt: skip
+        print("users  load  client CPU  measured P99  probe P99  self CPU  client-bound  regime        check")
+        for users, r in sorted(runs, key=lambda ur: ur[0]):
+            load = r["events_s"] / r["ideal"]
+            regime = (
+                "past capacity"
+                if load < 0.9
+                else ("well inside" if load >= 0.95 and r["client"] < 50 else "")
+            )
+            measured = max(r["ttft"][2], r["itl"][2])
+            check = "ok"
+            if r["bound"] and measured <= limit:
+                check = "FALSE ALARM"
+            elif not r["bound"] and measured > limit:
+                check = "MISSED"
+            flag = "yes" if r["bound"] else "no"
+            print(
+                f"{users:5d} {load:5.0%} {r['client']:10.0f}% {measured:13.2f} {r['probe']:10.2f}"
+                f" {r['self_cpu']:9.2f}  {flag:>12}  {regime:13} {check}"
+            )
     if ratios:
         print("# CPU per event, naive / loadlab (per round): " + ", ".join(
             f"{u} users {'/'.join(f'{r:.1f}x' for r in rs)}" for u, rs in ratios.items()))  # fmt: skip

@@ -34,13 +34,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import orjson
-from common import machine_line, start_scripted_server
+from common import MACHINE, CpuSampler, dist, machine_line, start_scripted_server
 
 from loadlab.records import load_records
 from loadlab.sim.scripted import read_log, timing_errors
@@ -48,16 +46,7 @@ from loadlab.target import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "tests" / "profiles" / "timing.yaml"
-TICKS = os.sysconf("SC_CLK_TCK")
 SAMPLE_S = 0.1
-
-
-def dist(values) -> list[float]:
-    """P50, P95, P99 and max of |values|."""
-    mags = np.abs(np.asarray(values, dtype=float))
-    if not mags.size:
-        return [float("nan")] * 4
-    return [*np.percentile(mags, [50, 95, 99]), mags.max()]
 
 
 def idle_ms(measure) -> float:
@@ -70,26 +59,6 @@ def idle_ms(measure) -> float:
         ends = g.t_send_wall.to_numpy() + g.e2e_ms.to_numpy() / 1000.0
         gaps += list((g.t_send_wall.to_numpy()[1:] - ends[:-1]) * 1000.0)
     return float(np.median(gaps)) if gaps else float("nan")
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of one process, or None when it has gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICKS  # fields 14 and 15 of stat(5)
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds all cores have spent busy since boot (/proc/stat: everything but idle and iowait)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / TICKS
-
-
-MACHINE = -1  # the sampler's key for the whole machine
 
 
 def children(pid: int) -> list[int]:
@@ -119,50 +88,6 @@ def role(pid: int) -> str | None:
     return "single"
 
 
-class CpuSampler:
-    """Samples the CPU time of the Locust processes below ``root`` (and of ``server``) every SAMPLE_S."""
-
-    def __init__(self, root: int, server: int):
-        self.root = root
-        self.server = server
-        self.roles: dict[int, str] = {}
-        self.samples: dict[int, list[tuple[float, float]]] = {server: [], MACHINE: []}  # pid -> [(wall, s)]
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while not self.stop.is_set():
-            for pid in children(self.root):
-                if pid not in self.roles:
-                    self.roles[pid] = role(pid) or "other"
-                    self.samples.setdefault(pid, [])
-            for pid, series in self.samples.items():
-                now = time.time()
-                cpu = machine_busy_seconds() if pid == MACHINE else cpu_seconds(pid)
-                if cpu is not None:
-                    series.append((now, cpu))
-            self.stop.wait(SAMPLE_S)
-
-    def finish(self) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def used(self, pid: int, t0: float, t1: float) -> float:
-        """CPU seconds of ``pid`` between wall times t0 and t1 (linear between samples)."""
-        series = self.samples.get(pid) or []
-        if len(series) < 2:
-            return float("nan")
-        walls, cpus = zip(*series, strict=True)
-        return float(np.interp(t1, walls, cpus) - np.interp(t0, walls, cpus))
-
-    def percent(self, roles: set[str], t0: float, t1: float) -> float:
-        pids = [p for p, r in self.roles.items() if r in roles]
-        if not pids:
-            return float("nan")
-        return 100.0 * sum(self.used(p, t0, t1) for p in pids) / (t1 - t0)
-
-
 HEADER = (
     "workers users  ideal ev/s  events/s  idle ms   |TTFT err| p50 p95 p99 max   |ITL err| p50 p95 p99 max"
     "   client CPU  master CPU  server CPU  rest CPU  self-bound  records per process"
@@ -188,7 +113,9 @@ def one_run(args, server: ServerProcess, log: Path, out: Path, workers: int, use
     if workers:
         cmd += ["--workers", str(workers)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    sampler = CpuSampler(proc.pid, server.proc.pid)
+    sampler = CpuSampler(
+        server.proc.pid, lambda: {p: role(p) or "other" for p in children(proc.pid)}, SAMPLE_S
+    )
     stdout, stderr = proc.communicate()
     sampler.finish()
     if proc.returncode != 0:
@@ -206,7 +133,7 @@ def one_run(args, server: ServerProcess, log: Path, out: Path, workers: int, use
     t0 = float(measure.t_send_wall.min())
     t1 = max(float(r.t_send_wall) + float(r.arrival_ms[-1]) / 1000.0 for r in ok.itertuples())
     span = t1 - t0
-    client = sampler.percent({"single", "master", "worker"}, t0, t1)
+    client = 100.0 * sampler.role_used({"single", "master", "worker"}, t0, t1) / (t1 - t0)
     server_cpu = 100.0 * sampler.used(server.proc.pid, t0, t1) / span
     bound = (summary.get("client") or {}).get("error_bound_ms")
     return {
@@ -216,7 +143,7 @@ def one_run(args, server: ServerProcess, log: Path, out: Path, workers: int, use
         "ttft": dist(ttft),
         "itl": dist(itl),
         "client": client,
-        "master": sampler.percent({"master"}, t0, t1),
+        "master": 100.0 * sampler.role_used({"master"}, t0, t1) / (t1 - t0),
         "server": server_cpu,
         "rest": 100.0 * sampler.used(MACHINE, t0, t1) / span - client - server_cpu,
         "bound": float("nan") if bound is None else float(bound),

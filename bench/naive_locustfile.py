@@ -72,7 +72,11 @@ class NaiveSGLangUser(FastHttpUser):
         index = next(_index)
         body = {
             "text": f"request {index}: " + "lorem ipsum " * 8,
-            "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+            "sampling_params": {
+                "max_new_tokens": self.max_new_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
             "stream": True,
         }
         fire = self.environment.events.request.fire

@@ -3,8 +3,8 @@
 A token's timestamp is taken when its greenlet gets to run after the socket became readable; if the
 process is busy (other users' bookkeeping, too many streams for one core, a CPU hog), that is late, and
 every latency the run reports is off by as much. So each process runs a probe the way a network event
-arrives: a plain OS thread (not a greenlet) writes its clock to a pipe every ``PROBE_INTERVAL_S``; a
-greenlet reads it like any socket and records how long the event waited (``LatenessHistogram``). The
+arrives: a plain OS thread (not a greenlet) writes to a pipe every ``PROBE_INTERVAL_S`` the time the probe
+was due; a greenlet reads it like any socket and records how long it waited (``LatenessHistogram``). The
 probe's P99 is the run's client timing error bound. CPU use (process CPU time over wall time, per second)
 says why.
 
@@ -60,11 +60,19 @@ class ClientMonitor:
         return self
 
     def _probe_thread(self) -> None:
+        # Each probe carries the time it was due, not when this thread got to run: a process that is off
+        # the CPU or waiting for the GIL delays a token that has arrived just the same, so that counts too.
         fd = self._write_fd
+        due = time.perf_counter()
         try:
             while not self._stopped:
-                _real_sleep(PROBE_INTERVAL_S)
-                os.write(fd, _STAMP.pack(time.perf_counter()))
+                due += PROBE_INTERVAL_S
+                now = time.perf_counter()
+                if due > now:
+                    _real_sleep(due - now)
+                elif now - due > 1.0:  # stalled for over a second: one late probe says it, then resume
+                    due = now
+                os.write(fd, _STAMP.pack(due))
         except OSError:
             pass  # the reading end closed: the monitor stopped
         finally:

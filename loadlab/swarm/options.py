@@ -9,9 +9,13 @@ from loadlab.profile import APIS, CLI_OVERRIDES, parse_set_option
 
 DEFAULT_PROFILE = "profiles/default.yaml"
 EXIT_CLIENT_BOUND = 4
-DEFAULT_LIMIT_MS = 2.0  # probe lateness P99 above this: the client's clock error swamps millisecond ITLs
+# Probe lateness P99 above this flags the run. The probe is conservative (1.5-3x the measured P99 timing
+# error of runs well inside capacity on this VM; saturated runs read 10 ms and more): bench/RESULTS.md.
+DEFAULT_LIMIT_MS = 5.0
 OPEN_LOOP_USERS = 256  # open loop without a cap on requests in flight: Locust users available to send
-DEFAULT_LIMIT_CPU = 0.85  # of one core, mean over the run: past this, one process is near saturation
+# Of one core, mean over the measured phase: on a shared machine a saturated process measured 0.67-0.92 and
+# well-inside ones 0.20-0.47 (bench/RESULTS.md, client cost).
+DEFAULT_LIMIT_CPU = 0.65
 PASSED_THROUGH = (
     "client_limit_ms",
     "client_limit_cpu",
