@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     report.set_defaults(func=_cmd_report)
 
+    compare = sub.add_parser("compare", help="the figures that matter of two runs, side by side")
+    compare.add_argument("run_a")
+    compare.add_argument("run_b")
+    compare.set_defaults(func=_cmd_compare)
+
     sweep = sub.add_parser("sweep", help="run a sweep file: configurations x repeats, relaunching the server")
     sweep.add_argument("sweep_file", help="sweep YAML, e.g. profiles/seed-batch-sweep.yaml")
     sweep.add_argument("--out", default=None, metavar="DIR",
@@ -214,6 +219,19 @@ def _cmd_report(args) -> int:
         )
     write_report(run_dir)
     print(run_dir / "summary.md")
+    return 0
+
+
+def _cmd_compare(args) -> int:
+    from loadlab.analysis.compare import compare, load_summary, render
+
+    dirs = [Path(args.run_a), Path(args.run_b)]
+    for d in dirs:
+        if not d.is_dir():
+            print(f"loadlab: {d}: not a run directory", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    a, b = (load_summary(d) for d in dirs)
+    print(render(dirs[0], dirs[1], a, b, compare(a, b)), end="")
     return 0
 
 

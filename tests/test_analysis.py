@@ -465,3 +465,21 @@ def test_open_loop_latency_also_counted_from_the_due_time(tmp_path):
     closed = summarize(closed_dir, [rec(i, t=i) for i in range(3)])
     assert "p99_ttft_from_scheduled_ms" not in closed
     assert "TTFT from due time" not in (closed_dir / "summary.md").read_text()
+
+
+def test_compare_calls_out_the_changes_that_matter():
+    from loadlab.analysis.compare import compare, render
+
+    a = {"output_throughput": 1000.0, "p95_ttft_ms": 500.0, "p95_tpot_ms": 20.0, "failed": 0,
+         "load_model": "closed loop, 32 in flight", "server": {"peak_token_usage": 0.5}}  # fmt: skip
+    b = {"output_throughput": 1200.0, "p95_ttft_ms": 800.0, "p95_tpot_ms": 20.5, "failed": 3,
+         "load_model": "closed loop, 64 in flight", "server": {"peak_token_usage": 0.5},
+         "client": {"client_bound": True}}  # fmt: skip
+    rows = {r["figure"]: r for r in compare(a, b)}
+    assert rows["output throughput"]["verdict"] == "better" and rows["output throughput"]["change"] == 0.2
+    assert rows["TTFT P95"]["verdict"] == "worse" and rows["TTFT P95"]["change"] == pytest.approx(0.6)
+    assert rows["TPOT P95"]["verdict"] == ""  # +2.5%: not notable
+    assert rows["failed requests"]["change"] is None  # from zero: no ratio
+    text = render("A", "B", a, b, list(rows.values()))
+    assert "load_model differs" in text and "B was client-bound" in text
+    assert "Changes of 5% or more: output throughput better, TTFT P95 worse" in text
