@@ -74,8 +74,8 @@ def make_run(tmp_path, records, manifest=None, parquet=False):
     return tmp_path
 
 
-def summarize(tmp_path, records, manifest=None, parquet=False):
-    return write_report(make_run(tmp_path, records, manifest, parquet))
+def summarize(tmp_path, records, manifest=None, parquet=False, html=False):
+    return write_report(make_run(tmp_path, records, manifest, parquet), html=html)
 
 
 def decoding(n: int, ttft: float, step: float) -> list[tuple[float, int]]:
@@ -483,3 +483,21 @@ def test_compare_calls_out_the_changes_that_matter():
     text = render("A", "B", a, b, list(rows.values()))
     assert "load_model differs" in text and "B was client-bound" in text
     assert "Changes of 5% or more: output throughput better, TTFT P95 worse" in text
+
+
+def test_report_html_is_self_contained_with_its_plots(tmp_path):
+    import base64
+    import re
+
+    records = [
+        rec(i, t=i * 0.5, ttft=100.0 + i, e2e=1000.0, events=decoding(10, 100.0 + i, 90.0)) for i in range(20)
+    ]
+    summarize(tmp_path, records, html=True)
+    page = (tmp_path / "report.html").read_text()
+    images = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page)
+    assert len(images) == 2  # the latency CDFs and the timeline, embedded: no file beside it is needed
+    for b64 in images:
+        png = base64.b64decode(b64)
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "Latency CDFs" in page and "Timeline" in page and "loadlab report" in page
+    assert 'src="http' not in page and "src='http" not in page

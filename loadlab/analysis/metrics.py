@@ -359,7 +359,10 @@ def slo_objectives(slo: Any) -> tuple[list[tuple[str, float, float, str]], list[
 
 
 def compute_summary(
-    df: pd.DataFrame | None, manifest: dict[str, Any] | None, server_rows: list[dict[str, Any]] | None = None
+    df: pd.DataFrame | None,
+    manifest: dict[str, Any] | None,
+    server_rows: list[dict[str, Any]] | None = None,
+    samples_out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """The run summary from its records (a DataFrame as ``load_records`` returns) and manifest.
 
@@ -538,6 +541,8 @@ def compute_summary(
     for stem, arr in samples.items():
         summary.update(describe(arr, stem))
     summary["slo"] = evaluate_slo(profile.get("slo"), samples, summary["failed"])
+    if samples_out is not None:  # the per-request samples, for plots
+        samples_out.update(samples)
     return clean(summary)
 
 

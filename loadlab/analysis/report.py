@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from loadlab.analysis.html import REPORT_HTML, render_html
 from loadlab.analysis.metrics import compute_summary
 from loadlab.records import RECORD_FIELDS, RECORDS_JSONL, RECORDS_PARQUET, load_records, read_manifest
 from loadlab.scrape import read_server_metrics
@@ -17,8 +18,9 @@ SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 
 
-def write_report(run_dir: Path) -> dict[str, Any]:
-    """Computes the summary of the run in ``run_dir`` and writes summary.json and summary.md there.
+def write_report(run_dir: Path, html: bool = True) -> dict[str, Any]:
+    """Computes the summary of the run in ``run_dir`` and writes summary.json, summary.md and (``html``)
+    report.html there.
 
     Reads records.parquet if present, else records.jsonl (a partial or killed run); a run directory with
     neither gets an empty summary rather than no report. Returns the summary dict.
@@ -33,10 +35,15 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     else:
         source = None
     df = load_records(run_dir) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
-    summary = compute_summary(df, read_manifest(run_dir), read_server_metrics(run_dir))
+    server_rows = read_server_metrics(run_dir)
+    samples: dict = {}
+    summary = compute_summary(df, read_manifest(run_dir), server_rows, samples)
     summary["records_source"] = source
+    markdown = render_markdown(summary)
     _write_atomic(run_dir / SUMMARY_JSON, json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    _write_atomic(run_dir / SUMMARY_MD, render_markdown(summary))
+    _write_atomic(run_dir / SUMMARY_MD, markdown)
+    if html:  # plots take about a second
+        _write_atomic(run_dir / REPORT_HTML, render_html(summary, samples, df, server_rows, markdown))
     return summary
 
 

@@ -1,0 +1,127 @@
+"""`report.html`: one self-contained page (plots embedded as PNG) beside summary.md.
+
+Latency CDFs (TTFT, TPOT, ITL per token, E2E) of the measured, completed requests, and a per-second
+timeline over the run: output tokens/s and requests in flight (from the records), TTFT of the requests sent
+in each second, and the server's running/queued requests and KV usage (from its /metrics, when scraped).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from loadlab.records import MEASURE, OK
+
+REPORT_HTML = "report.html"
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _cdfs(samples: dict[str, np.ndarray]):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
+    for ax, (stem, title) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL (per token)"),
+                                        ("e2e_latency_ms", "E2E")), strict=True):  # fmt: skip
+        values = np.sort(np.asarray(samples.get(stem, []), dtype=float))
+        values = values[np.isfinite(values)]
+        if values.size:
+            ax.plot(values, np.arange(1, values.size + 1) / values.size)
+            for q in (50, 95, 99):
+                ax.axvline(np.percentile(values, q), color="grey", lw=0.6, ls=":")
+        ax.set_title(f"{title} CDF ({values.size} samples)")
+        ax.set_xlabel("ms")
+        ax.set_ylim(0, 1.01)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction")
+    return fig
+
+
+def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]]):
+    import matplotlib.pyplot as plt
+
+    t_send = pd.to_numeric(df["t_send_wall"], errors="coerce").to_numpy(dtype=float)
+    e2e = pd.to_numeric(df["e2e_ms"], errors="coerce").to_numpy(dtype=float)
+    t0 = np.nanmin(t_send) if t_send.size and np.isfinite(t_send).any() else 0.0
+    end = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
+    span = max(1, int(np.ceil(np.nanmax(end) - t0))) if t_send.size and np.isfinite(end).any() else 1
+    seconds = np.arange(span)
+    tokens = np.zeros(span)
+    for ts, arr_ms, arr_tok in zip(t_send, df["arrival_ms"], df["arrival_tokens"], strict=True):
+        if not np.isfinite(ts) or arr_ms is None or len(arr_ms) == 0:
+            continue
+        at = ((ts - t0) + np.asarray(arr_ms, dtype=float) / 1000.0).astype(int)
+        np.add.at(tokens, np.clip(at, 0, span - 1), np.asarray(arr_tok, dtype=float))
+    # Time-weighted requests in flight per second (every request, warm-up and failures included).
+    s_rel, e_rel = t_send - t0, end - t0
+    valid = np.isfinite(s_rel) & np.isfinite(e_rel)
+    s_rel, e_rel = s_rel[valid], e_rel[valid]
+    in_flight = [
+        float(np.clip(np.minimum(e_rel, b + 1) - np.maximum(s_rel, b), 0, None).sum()) for b in seconds
+    ]
+    measured_ok = (df["phase"] == MEASURE).to_numpy() & (df["outcome"] == OK).to_numpy()
+    ttft = pd.to_numeric(df["ttft_ms"], errors="coerce").to_numpy(dtype=float)
+    ttft_p50 = np.full(span, np.nan)
+    sent_at = np.floor(t_send - t0)
+    for s in seconds:
+        v = ttft[measured_ok & (sent_at == s) & np.isfinite(ttft)]
+        if v.size:
+            ttft_p50[s] = np.median(v)
+    fig, axes = plt.subplots(4, 1, figsize=(16, 11), sharex=True)
+    axes[0].plot(seconds, tokens, drawstyle="steps-post")
+    axes[0].set_ylabel("output tokens/s")
+    axes[1].plot(seconds, in_flight, drawstyle="steps-post", label="in flight (client, mean per second)")
+    axes[1].set_ylabel("requests")
+    axes[2].plot(seconds, ttft_p50, marker=".", lw=0.8)
+    axes[2].set_ylabel("TTFT P50 of sends (ms)")
+    good = [r for r in server_rows if "m" in r]
+    if good:
+        ts = np.array([r["t"] - t0 for r in good])
+        for name, key in (
+            ("running (server)", "sglang:num_running_reqs"),
+            ("queued (server)", "sglang:num_queue_reqs"),
+        ):
+            axes[1].plot(ts, [r["m"].get(key, np.nan) for r in good], label=name)
+        axes[3].plot(ts, [100 * r["m"].get("sglang:token_usage", np.nan) for r in good])
+        axes[3].set_ylabel("KV usage (%)")
+    else:
+        axes[3].text(
+            0.5, 0.5, "no server metrics (/metrics not scraped)", ha="center", transform=axes[3].transAxes
+        )
+    axes[1].legend(loc="upper right")
+    axes[3].set_xlabel("seconds since the first send")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def render_html(summary: dict[str, Any], samples: dict[str, np.ndarray], df: pd.DataFrame,
+                server_rows: list[dict[str, Any]], markdown: str) -> str:  # fmt: skip
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images = []
+    for make in (lambda: _cdfs(samples), lambda: _timeline(df, server_rows)):
+        fig = make()
+        images.append(_png(fig))
+        plt.close(fig)
+    title = html.escape(f"loadlab report: {summary.get('run_id') or 'run'}")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
+        "<style>body{font-family:sans-serif;max-width:1200px;margin:1em auto}img{max-width:100%}"
+        "pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}</style></head><body>"
+        f"<h1>{title}</h1><h2>Latency CDFs</h2><img alt='latency CDFs' src='data:image/png;base64,{images[0]}'>"
+        f"<h2>Timeline</h2><img alt='timeline' src='data:image/png;base64,{images[1]}'>"
+        f"<h2>Summary</h2><pre>{html.escape(markdown)}</pre></body></html>\n"
+    )
