@@ -20,7 +20,7 @@ from loadlab.records import MEASURE, OK
 REPORT_HTML = "report.html"
 
 
-def _png(fig) -> str:
+def png_base64(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     return base64.b64encode(buf.getvalue()).decode()
@@ -114,7 +114,7 @@ def render_html(summary: dict[str, Any], samples: dict[str, np.ndarray], df: pd.
     images = []
     for make in (lambda: _cdfs(samples), lambda: _timeline(df, server_rows)):
         fig = make()
-        images.append(_png(fig))
+        images.append(png_base64(fig))
         plt.close(fig)
     title = html.escape(f"loadlab report: {summary.get('run_id') or 'run'}")
     return (

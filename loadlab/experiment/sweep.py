@@ -31,6 +31,7 @@ from loadlab.target import TargetError, die_with_parent, probe
 
 SWEEP_STATE = "sweep.json"
 SWEEP_MD = "sweep.md"
+SWEEP_HTML = "sweep.html"
 KNEE_GAIN = 0.05  # the knee: the first configuration after which the next adds less than 5% throughput
 
 # The seed's table: (column, summary path, scale, digits)
@@ -223,6 +224,7 @@ def run_sweep(spec: dict[str, Any], out: Path, extra_run_args: list[str] | None 
         _save(state_path, spec, configs, runs)
     result = aggregate(spec, configs, runs)
     (out / SWEEP_MD).write_text(render(spec, result, complete=not interrupted and len(runs) == total))
+    (out / SWEEP_HTML).write_text(render_html(spec, result))
     state = json.loads(state_path.read_text())
     state["result"] = result
     state_path.write_text(json.dumps(state, indent=2, default=str))
@@ -356,6 +358,49 @@ def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
         "rejected": [{"config": label(r["config"]), "reasons": why} for r, why in rejected],
         "findings": findings,
     }
+
+
+def render_html(spec: dict[str, Any], result: dict[str, Any]) -> str:
+    """The sweep's curves along its configurations: throughput, TTFT P95 and TPOT P95 (medians, with the
+    repeats' range), the SLO lines and the knee marked; plus the table of sweep.md."""
+    import html
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from loadlab.analysis.html import png_base64
+
+    rows = [r for r in result["rows"] if r["repeats"]]
+    labels = [label(r["config"]) for r in rows]
+    x = list(range(len(rows)))
+    slo = result.get("slo") or {}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    for ax, column, limit in zip(axes, ("output tok/s", "TTFT P95 ms", "TPOT P95 ms"),
+                                 (None, slo.get("ttft_p95_ms"), slo.get("tpot_p95_ms")), strict=True):  # fmt: skip
+        med = [r["values"][column]["median"] for r in rows]
+        lo = [r["values"][column]["min"] for r in rows]
+        hi = [r["values"][column]["max"] for r in rows]
+        ax.plot(x, [m if m is not None else float("nan") for m in med], marker="o")
+        ax.fill_between(x, [v if v is not None else float("nan") for v in lo],
+                        [v if v is not None else float("nan") for v in hi], alpha=0.2)  # fmt: skip
+        if limit is not None:
+            ax.axhline(limit, color="red", ls="--", lw=1, label=f"SLO {limit:g}")
+            ax.legend()
+        if result.get("knee") in labels:
+            ax.axvline(labels.index(result["knee"]), color="grey", ls=":", lw=1)
+        ax.set_title(column + (" (knee dotted)" if result.get("knee") else ""))
+        ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+        ax.grid(alpha=0.3)
+    image = png_base64(fig)
+    plt.close(fig)
+    title = html.escape(f"loadlab sweep: {spec['name']}")
+    table = html.escape(render(spec, result, complete=True))
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
+            f"<body style='font-family:sans-serif'><h1>{title}</h1>"
+            f"<img alt='sweep curves' style='max-width:100%' src='data:image/png;base64,{image}'>"
+            f"<pre>{table}</pre></body></html>\n")  # fmt: skip
 
 
 def render(spec: dict[str, Any], result: dict[str, Any], complete: bool) -> str:
