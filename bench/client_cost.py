@@ -62,7 +62,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import orjson
 import pandas as pd
-from common import MACHINE, CpuSampler, dist
+from common import MACHINE, CpuSampler, dist, finish
 
 from loadlab.records import load_records
 from loadlab.sim.scripted import timing_errors
@@ -438,11 +438,7 @@ def main() -> int:
         print(e, file=sys.stderr)
         return 1
     finally:
-        server.stop()
-        if args.keep:
-            print(f"# runs and server log kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        finish(server, work, args.keep)
     final = {key: median_row(runs) for key, runs in rows.items()}
     if args.repeats > 1:
         print(f"# medians of {args.repeats} rounds per row (client-bound: every round's verdict)")

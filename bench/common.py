@@ -104,3 +104,14 @@ class CpuSampler:
         """CPU seconds of every discovered process whose role is in ``roles``."""
         pids = [p for p, r in self.roles.items() if r in roles]
         return sum(self.used(p, t0, t1) for p in pids) if pids else float("nan")
+
+
+def finish(server: ServerProcess, work: Path, keep: bool) -> None:
+    """Stops the scripted server; removes the work directory unless asked to keep it."""
+    import shutil
+
+    server.stop()
+    if keep:
+        print(f"# runs and server log kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)

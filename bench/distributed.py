@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-from common import MACHINE, CpuSampler, dist, machine_line, start_scripted_server
+from common import MACHINE, CpuSampler, dist, finish, machine_line, start_scripted_server
 
 from loadlab.records import load_records
 from loadlab.sim.scripted import read_log, timing_errors
@@ -189,11 +188,7 @@ def main() -> int:
         print(e, file=sys.stderr)
         return 1
     finally:
-        server.stop()
-        if args.keep:
-            print(f"# runs and server log kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        finish(server, work, args.keep)
     if args.repeats > 1:
         print(f"# medians of {args.repeats} runs per row")
         print(HEADER)
