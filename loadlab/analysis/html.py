@@ -38,7 +38,11 @@ def _cdfs(samples: dict[str, np.ndarray]):
             ax.plot(values, np.arange(1, values.size + 1) / values.size)
             for q in (50, 95, 99):
                 ax.axvline(np.percentile(values, q), color="grey", lw=0.6, ls=":")
-        ax.set_title(f"{title} CDF ({values.size} samples)")
+        clipped = ""
+        if values.size and values[-1] > 3 * np.percentile(values, 99.9):  # a long tail hides the body
+            ax.set_xlim(values[0], np.percentile(values, 99.9))
+            clipped = ", to P99.9"
+        ax.set_title(f"{title} CDF ({values.size} samples{clipped})")
         ax.set_xlabel("ms")
         ax.set_ylim(0, 1.01)
         ax.grid(alpha=0.3)

@@ -390,6 +390,7 @@ def render_html(spec: dict[str, Any], result: dict[str, Any]) -> str:
             ax.legend()
         if result.get("knee") in labels:
             ax.axvline(labels.index(result["knee"]), color="grey", ls=":", lw=1)
+        ax.set_ylim(bottom=0)  # small differences stay small
         ax.set_title(column + (" (knee dotted)" if result.get("knee") else ""))
         ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
         ax.grid(alpha=0.3)
