@@ -22,6 +22,9 @@ from loadlab.records import SPILL_DIR, read_jsonl_records, spill_name
 REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "loadlab" / "swarm" / "locustfile.py"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+# Failure injection on a real cluster sharing 2 cores with everything else: one rerun on a miss. (Once, in
+# a full-suite run under load, a cluster produced no records within 60 s; the logs now come with the error.)
+CLUSTER_RERUN = pytest.mark.flaky(reruns=1)
 
 PROFILE = """\
 name: dist
@@ -65,13 +68,14 @@ def start_cluster(tmp_path: Path, measured: int, worker_out: str) -> tuple[subpr
     return master, [start_worker(tmp_path, port, worker_out, n) for n in range(2)]
 
 
-def wait_for_records(path: Path, at_least: int, timeout: float = 60) -> None:
+def wait_for_records(path: Path, at_least: int, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists() and len(read_jsonl_records(path)) >= at_least:
             return
         time.sleep(0.1)
-    raise AssertionError(f"fewer than {at_least} records in {path} after {timeout} s")
+    tmp_path = path.parents[2]  # <tmp>/out/run/records.jsonl
+    raise AssertionError(f"fewer than {at_least} records in {path} after {timeout} s\n{logs(tmp_path)}")
 
 
 def logs(tmp_path: Path) -> str:
@@ -111,6 +115,7 @@ def test_two_workers_send_every_index_once_with_warmup_first(tmp_path):
     assert not (run / SPILL_DIR).exists()  # spills merged (nothing missing) and removed
 
 
+@CLUSTER_RERUN
 def test_a_killed_worker_costs_only_its_requests_in_flight(tmp_path):
     master, workers = start_cluster(tmp_path, measured=160, worker_out="worker-out")
     try:
@@ -149,6 +154,7 @@ def test_a_killed_worker_costs_only_its_requests_in_flight(tmp_path):
     assert summary["lost_in_flight"] == len(lost) and not summary["partial"]
 
 
+@CLUSTER_RERUN
 def test_a_killed_master_stops_workers_and_spills_recover_every_record(tmp_path):
     master, workers = start_cluster(tmp_path, measured=400, worker_out="out")  # same --out: spills in the run
     try:
@@ -230,6 +236,7 @@ def test_a_worker_that_cannot_reach_the_target_fails_the_run_loudly(tmp_path):
     assert lines, output[-3000:]
 
 
+@CLUSTER_RERUN
 def test_ctrl_c_on_the_master_collects_every_workers_in_flight_requests(tmp_path):
     master, workers = start_cluster(tmp_path, measured=400, worker_out="worker-out")
     try:
