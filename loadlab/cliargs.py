@@ -15,16 +15,13 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def positive(kind):
-    """An argparse type: a positive int or float (finite)."""
-    what = "a positive integer" if kind is int else "a positive number"
-
+def _bounded(kind, what: str, ok):
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not value > 0 or not math.isfinite(value):
+        if not ok(value) or not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
 
@@ -32,21 +29,11 @@ def positive(kind):
     return parse
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+def positive(kind):
+    """An argparse type: a positive int or float (finite)."""
+    return _bounded(kind, "a positive integer" if kind is int else "a positive number", lambda v: v > 0)
 
 
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+def non_negative(kind):
+    """An argparse type: an int or float >= 0 (finite)."""
+    return _bounded(kind, "an integer >= 0" if kind is int else "a number >= 0", lambda v: v >= 0)

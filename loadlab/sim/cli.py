@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from loadlab.cliargs import OneLineParser, non_negative_int, positive
+from loadlab.cliargs import OneLineParser, non_negative, positive
 from loadlab.sim import READY_PREFIX
 from loadlab.sim.cost import GPUS, MODELS
 
@@ -221,7 +221,7 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         "--arrival", choices=("poisson", "constant"), default=None, help="open-loop arrival process"
     )
     v.add_argument("--num-requests", type=positive(int), default=None, help="measured requests")
-    v.add_argument("--warmup-requests", type=non_negative_int, default=None, help="warm-up requests")
+    v.add_argument("--warmup-requests", type=non_negative(int), default=None, help="warm-up requests")
     return p
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadlab.cliargs import non_negative_float, non_negative_int, positive
+from loadlab.cliargs import non_negative, positive
 from loadlab.profile import APIS, CLI_OVERRIDES, parse_set_option
 
 DEFAULT_PROFILE = "profiles/default.yaml"
@@ -40,7 +40,7 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
     add("--api", choices=APIS, default=None, help="SGLang API: native /generate or OpenAI completions/chat")
     add("--concurrency", type=positive(int), default=None, help="requests held in flight (Locust's -u wins)")
     add("--num-requests", type=positive(int), default=None, help="measured requests")
-    add("--warmup-requests", type=non_negative_int, default=None, help="warm-up requests, not measured")
+    add("--warmup-requests", type=non_negative(int), default=None, help="warm-up requests, not measured")
     add("--input-len", type=positive(int), default=None, help="prompt tokens (workload.input_len)")
     add("--output-len", type=positive(int), default=None, help="output tokens (workload.output_len)")
     add("--seed", type=int, default=None, help="workload seed")
@@ -53,7 +53,7 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
         metavar="NAME",
         help="run directory name under --out (default: time-profile)",
     )
-    add("--target-wait", type=non_negative_float, default=0.0, metavar="SECONDS",
+    add("--target-wait", type=non_negative(float), default=0.0, metavar="SECONDS",
         help="keep trying to reach the target this long before giving up (a server still starting)")  # fmt: skip
     add("--client-limit-ms", type=positive(float), default=DEFAULT_LIMIT_MS, metavar="MS",
         help="client-bound when a load generator handles I/O later than this at P99")  # fmt: skip
