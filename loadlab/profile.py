@@ -41,6 +41,7 @@ class Target(_Strict):
     tokenizer: str | None = Field(None, description="local tokenizer.json for exact text prompt lengths")
     timeout_s: float = Field(600.0, gt=0, description="deadline for a whole request")
     idle_timeout_s: float = Field(60.0, gt=0, description="longest silence allowed within a stream")
+    metrics_interval_s: float = Field(1.0, gt=0, description="how often the server's /metrics is scraped")
 
     @model_validator(mode="after")
     def _url_shape(self):

@@ -118,6 +118,13 @@ class Scraper:
                 self.proc.kill()
 
 
+def scrape_interval(rows: list[dict[str, Any]]) -> float:
+    """The interval the rows were scraped at (the median gap), DEFAULT_INTERVAL_S with too few rows."""
+    t = sorted(r["t"] for r in rows if isinstance(r.get("t"), int | float))
+    gaps = sorted(b - a for a, b in zip(t, t[1:], strict=False))
+    return gaps[len(gaps) // 2] if len(gaps) >= 2 else DEFAULT_INTERVAL_S
+
+
 def read_server_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / SERVER_METRICS
     rows = []

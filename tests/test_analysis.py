@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -501,3 +502,63 @@ def test_report_html_is_self_contained_with_its_plots(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "Latency CDFs" in page and "Timeline" in page and "loadlab report" in page
     assert 'src="http' not in page and "src='http" not in page
+
+
+def colour_pixels(png, rgb: tuple[int, int, int], tolerance: float = 0.06) -> np.ndarray:
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)[:, :, :3]
+    return np.all(np.abs(image - np.array(rgb) / 255) < tolerance, axis=2)
+
+
+PLOT_BLUE = (31, 119, 180)  # matplotlib's first line colour
+needs_chromium = pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="no chromium (.ci/run installs it: apt-get install chromium)"
+)
+
+
+@needs_chromium
+def test_report_html_renders_with_its_plots_and_the_warm_up_shaded(tmp_path):
+    from loadlab.analysis.html import screenshot
+
+    records = [
+        rec(i, phase="warmup", t=i * 0.5, ttft=150.0, events=decoding(10, 150.0, 90.0)) for i in range(10)
+    ]
+    records += [
+        rec(10 + i, t=5 + i * 0.5, ttft=100.0 + i, events=decoding(10, 100.0 + i, 90.0)) for i in range(30)
+    ]
+    summarize(tmp_path, records, html=True)
+    shot = screenshot(tmp_path / "report.html", tmp_path / "report.png")
+    blue = colour_pixels(shot, PLOT_BLUE)
+    rows = np.nonzero(blue.any(axis=1))[0]
+    # Lines drawn in both images (the CDF row at the top, the timeline below it): a page whose images do
+    # not decode shows none.
+    assert blue.sum() > 2000 and rows.max() - rows.min() > 600
+    # The warm-up span (orange at 15% on white), 5 of the 20 s across the four timeline panels.
+    assert colour_pixels(shot, (255, 243, 217), tolerance=0.03).sum() > 20_000
+
+
+@needs_chromium
+def test_sweep_html_renders_its_curves_and_slo_lines(tmp_path):
+    from loadlab.analysis.html import screenshot
+    from loadlab.experiment.sweep import COLUMNS, choose, render_html
+
+    def row(limit, thr, ttft, tpot):
+        values = {"output tok/s": thr, "TTFT P95 ms": ttft, "TPOT P95 ms": tpot, "max running": 32}
+        cells = {c: {"median": None, "min": None, "max": None} for c, *_ in COLUMNS}
+        cells.update({k: {"median": v, "min": v * 0.9, "max": v * 1.1} for k, v in values.items()})
+        return {"config": {"max_running_requests": limit}, "repeats": 3, "failed": 0, "values": cells}
+
+    rows = [
+        row(32, 1300, 900, 20),
+        row(64, 2000, 1500, 30),
+        row(128, 2200, 2800, 60),
+        row(256, 2250, 5000, 90),
+    ]
+    spec = {"name": "s", "profile": "p.yaml", "repeats": 3, "axes": {"max_running_requests": [32, 64, 128, 256]},
+            "slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 100}}  # fmt: skip
+    page = tmp_path / "sweep.html"
+    page.write_text(render_html(spec, {"rows": rows, **choose(spec, rows)}))
+    shot = screenshot(page, tmp_path / "sweep.png")
+    assert colour_pixels(shot, PLOT_BLUE).sum() > 1000  # the three curves
+    assert colour_pixels(shot, (255, 0, 0), tolerance=0.1).sum() > 300  # the two SLO lines

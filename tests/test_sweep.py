@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loadlab.experiment.sweep import SweepError, choose, load_sweep
+from loadlab.experiment.sweep import SweepError, choose, load_sweep, refine_configs
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEP = REPO / "tests" / "sweeps" / "short.yaml"
@@ -44,21 +44,26 @@ def test_the_shortened_seed_sweep_end_to_end_with_an_interruption(tmp_path):
     done = subprocess.run(sweep_cmd(out), env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     final = json.loads(state.read_text())
-    assert len(final["runs"]) == 4 and final["runs"]["0/0"] == first_run
-    assert (out / "server-0.log").exists() and (out / "server-1.log").exists()  # one server per limit
+    # 2 limits x 2 repeats, then the refine step adds 8 between the knee (4 or 16) and its neighbour.
+    assert final["refined"] == [{"max_running_requests": 8}]
+    assert len(final["runs"]) == 6 and final["runs"]["0/0"] == first_run
+    assert all((out / f"server-{k}.log").exists() for k in range(3))  # one server per limit
     result = final["result"]
+    assert [r["config"]["max_running_requests"] for r in result["rows"]] == [4, 8, 16]
     rows = {r["config"]["max_running_requests"]: r for r in result["rows"]}
-    assert rows[4]["repeats"] == 2 and rows[16]["repeats"] == 2
+    assert all(r["repeats"] == 2 for r in rows.values()) and rows[8]["refined"] and not rows[4]["refined"]
+    assert rows[8]["values"]["max running"]["median"] <= 8
     # 8 users: a limit of 4 binds (4 running at most), 16 never does.
     assert rows[4]["values"]["max running"]["median"] == 4
     assert rows[16]["values"]["max running"]["median"] <= 8
-    assert any("max_running_requests at 16 never bound" in f for f in result["findings"])
+    assert any(" 16 never bound" in f for f in result["findings"]), result["findings"]
     assert result["choice"] is not None and result["knee"] is not None
     md = (out / "sweep.md").read_text()
     for column in ("output tok/s", "TTFT P50 ms", "TTFT P95 ms", "TPOT P95 ms", "mean queue delay ms",
                    "peak KV usage %"):  # fmt: skip
         assert column in md
     assert "SLO-first choice" in md and "Knee" in md and "Incomplete" not in md
+    assert "Refined around the coarse sweep's knee: 8 added" in md
     page = (out / "sweep.html").read_text()
     assert page.count("data:image/png;base64,") == 1 and "SLO-first choice" in page
 
@@ -84,6 +89,21 @@ def test_choice_rejects_with_reasons_and_the_knee_is_where_throughput_stops_grow
     ]
 
 
+def test_refine_adds_values_on_a_log_scale_between_the_knee_and_its_neighbours():
+    def row(limit, thr):
+        return {"config": {"max_running_requests": limit}, "repeats": 1,
+                "values": {"output tok/s": {"median": thr, "min": thr, "max": thr}}}  # fmt: skip
+
+    rows = [row(32, 1000), row(64, 1500), row(128, 1550), row(256, 1560)]  # knee at 64 (128 adds 3%)
+    added = [c["max_running_requests"] for c in refine_configs({"refine": 1}, rows)]
+    assert added == [45, 91]  # 32*sqrt(2), 64*sqrt(2)
+    added = [c["max_running_requests"] for c in refine_configs({"refine": 2}, rows)]
+    assert added == [40, 51, 81, 102]
+    # The knee at the first value refines upward only; values already swept are not added again.
+    assert refine_configs({"refine": 1}, [row(32, 1000), row(64, 1010)]) == [{"max_running_requests": 45}]
+    assert refine_configs({"refine": 3}, [row(1, 10), row(2, 10)]) == []
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
@@ -94,6 +114,15 @@ def test_choice_rejects_with_reasons_and_the_knee_is_where_throughput_stops_grow
         (
             "profile: short-profile.yaml\nlaunch: 'loadlab sim'\naxes: {load.concurrency: [1]}\n",
             "an argv list",
+        ),
+        (
+            "profile: short-profile.yaml\naxes: {load.concurrency: [1, 4], load.rate: [1]}\nrefine: 1\n",
+            "refine: needs a sweep over one axis",
+        ),
+        ("profile: short-profile.yaml\naxes: {load.concurrency: [4, 1]}\nrefine: 1\n", "needs increasing"),
+        (
+            "profile: short-profile.yaml\naxes: {load.concurrency: [1, 4]}\nrefine: yes\n",
+            "refine: the number",
         ),
     ],
 )

@@ -1,8 +1,9 @@
 """`report.html`: one self-contained page (plots embedded as PNG) beside summary.md.
 
 Latency CDFs (TTFT, TPOT, ITL per token, E2E) of the measured, completed requests, and a per-second
-timeline over the run: output tokens/s and requests in flight (from the records), TTFT of the requests sent
-in each second, and the server's running/queued requests and KV usage (from its /metrics, when scraped).
+timeline over the run (the warm-up shaded): output tokens/s and requests in flight (from the records),
+TTFT of the requests sent in each second, and the server's running/queued requests and KV usage (from its
+/metrics, when scraped).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import base64
 import html
 import io
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +22,26 @@ import pandas as pd
 from loadlab.records import MEASURE, OK
 
 REPORT_HTML = "report.html"
+
+
+class RenderError(RuntimeError):
+    """The page could not be rendered (no browser, or the browser failed): one line."""
+
+
+def screenshot(page: Path, png: Path, width: int = 1280, height: int = 2400) -> Path:
+    """Renders ``page`` in headless Chromium (Debian: ``apt-get install chromium``; not a dependency) and
+    saves a screenshot: the check that a report renders with its plots."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        raise RenderError("no chromium on PATH (Debian: apt-get install chromium)")
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+           f"--window-size={width},{height}", f"--screenshot={png.resolve()}", page.resolve().as_uri()]  # fmt: skip
+    png.unlink(missing_ok=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0 or not png.exists():
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise RenderError(f"chromium could not render {page} (exit status {done.returncode}): {tail[0]}")
+    return png
 
 
 def png_base64(fig) -> str:
@@ -101,6 +125,13 @@ def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]]):
         axes[3].text(
             0.5, 0.5, "no server metrics (/metrics not scraped)", ha="center", transform=axes[3].transAxes
         )
+    measured_sends = t_send[(df["phase"] == MEASURE).to_numpy() & np.isfinite(t_send)]
+    if measured_sends.size and measured_sends.min() > t0:  # the warm-up came first: shade it
+        for ax in axes:
+            ax.axvspan(0, measured_sends.min() - t0, color="#ffb000", alpha=0.15, lw=0)
+        axes[0].text(0.002, 0.92, "warm-up", transform=axes[0].transAxes, va="top", color="#a06000")
+    axes[0].set_ylim(bottom=0)
+    axes[1].set_ylim(bottom=0)
     axes[1].legend(loc="upper right")
     axes[3].set_xlabel("seconds since the first send")
     for ax in axes:

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from loadlab.records import MEASURE, OK, RECORD_FIELDS, WARMUP
-from loadlab.scrape import DEFAULT_INTERVAL_S, server_summary
+from loadlab.scrape import scrape_interval, server_summary
 
 SUMMARY_SCHEMA = "loadlab.summary/1"
 PERCENTILES = (90, 95, 99)
@@ -514,8 +514,8 @@ def compute_summary(
         # Scrapes one interval either side of the window still belong to it (counters need two points).
         "server": server_summary(
             server_rows or [],
-            None if window_start is None else window_start - DEFAULT_INTERVAL_S,
-            None if window_end is None else window_end + DEFAULT_INTERVAL_S,
+            None if window_start is None else window_start - scrape_interval(server_rows or []),
+            None if window_end is None else window_end + scrape_interval(server_rows or []),
         ),
         "completed": completed,
         "failed": int(not_ok.sum()),

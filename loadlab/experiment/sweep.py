@@ -69,7 +69,7 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
         raise SweepError(f"{path}: cannot read the sweep file: {e}") from None
     if not isinstance(data, dict):
         raise SweepError(f"{path}: a sweep file is a mapping (profile, axes, ...)")
-    known = {"name", "profile", "axes", "repeats", "launch", "url", "ready_timeout_s", "set", "slo"}
+    known = {"name", "profile", "axes", "repeats", "launch", "url", "ready_timeout_s", "set", "slo", "refine"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise SweepError(f"{path}: {unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
@@ -94,6 +94,19 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     repeats = data.get("repeats", 1)
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise SweepError(f"{path}: repeats: a positive integer (got {repeats!r})")
+    refine = data.get("refine", 0)
+    if not isinstance(refine, int) or isinstance(refine, bool) or refine < 0:
+        raise SweepError(
+            f"{path}: refine: the number of values to add on each side of the knee (got {refine!r})"
+        )
+    if refine:
+        (axis, values), *others = axes.items()
+        if others:
+            raise SweepError(f"{path}: refine: needs a sweep over one axis (this one has {len(axes)})")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values) or any(
+            b <= a for a, b in itertools.pairwise(values)
+        ):
+            raise SweepError(f"{path}: refine: axes: {axis}: needs increasing numbers to refine between")
     base = (
         (path.parent / data["profile"]) if not Path(data["profile"]).is_absolute() else Path(data["profile"])
     )
@@ -112,6 +125,7 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
         "set": [str(s) for s in data.get("set") or []],
         "slo": data.get("slo") or profile.slo.model_dump(exclude_none=True),
         "warmup": profile.requests.warmup,
+        "refine": refine,
     }
 
 
@@ -171,75 +185,109 @@ class LaunchedServer:
 
 def run_sweep(spec: dict[str, Any], out: Path, extra_run_args: list[str] | None = None) -> int:
     """Runs (or resumes) the sweep into ``out``; returns 0 when complete, 130 when interrupted."""
-    out.mkdir(parents=True, exist_ok=True)
-    state_path = out / SWEEP_STATE
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
-    configs = configurations(spec["axes"])
-    runs: dict[str, str] = state.get("runs", {})  # "k/r" -> run dir, finished runs only
-    if state and state.get("configs") != configs:
-        raise SweepError(f"{out}: holds a different sweep (axes changed); use another --out")
-    total = len(configs) * spec["repeats"]
-    interrupted = []
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
-    started, done_here = time.monotonic(), 0
-    try:
-        for k, config in enumerate(configs):
-            todo = [r for r in range(spec["repeats"]) if f"{k}/{r}" not in runs]
-            if not todo or interrupted:
+    return Sweep(spec, out, extra_run_args or []).run()
+
+
+class Sweep:
+    """One sweep directory: the coarse configurations, then (with ``refine``) finer ones around the knee.
+    Configuration k's repeat r is run "k/r" in ``sweep.json``; refined configurations are numbered after
+    the coarse ones and kept in the state, so a resumed sweep refines the same way."""
+
+    def __init__(self, spec: dict[str, Any], out: Path, extra_run_args: list[str]):
+        self.spec, self.out, self.extra = spec, out, extra_run_args
+        out.mkdir(parents=True, exist_ok=True)
+        self.state_path = out / SWEEP_STATE
+        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        self.configs = configurations(spec["axes"])
+        if state and state.get("configs") != self.configs:
+            raise SweepError(f"{out}: holds a different sweep (axes changed); use another --out")
+        self.runs: dict[str, str] = state.get("runs", {})  # "k/r" -> run dir, finished runs only
+        self.refined: list[dict] | None = state.get("refined")
+        self.interrupted: list[int] = []
+        self.started, self.done_here = time.monotonic(), 0
+
+    def all_configs(self) -> list[dict[str, Any]]:
+        return self.configs + (self.refined or [])
+
+    def run(self) -> int:
+        previous = signal.signal(signal.SIGINT, lambda *_: self.interrupted.append(1))
+        try:
+            self._run_configs(0, "")
+            coarse_done = all(f"{k}/{r}" in self.runs for k in range(len(self.configs))
+                              for r in range(self.spec["repeats"]))  # fmt: skip
+            if self.spec["refine"] and coarse_done and not self.interrupted:
+                if self.refined is None:
+                    coarse = aggregate(self.spec, self.configs, self.runs)
+                    self.refined = refine_configs(self.spec, coarse["rows"])
+                    self._save()
+                    print(f"loadlab sweep: refining around the knee ({coarse['knee']}): "
+                          f"{', '.join(label(c) for c in self.refined) or 'no value in between'}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                self._run_configs(len(self.configs), "refine: ")
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            self._save()
+        configs = self.all_configs()
+        total = len(configs) * self.spec["repeats"]
+        complete = not self.interrupted and len(self.runs) == total
+        result = aggregate(self.spec, configs, self.runs)
+        (self.out / SWEEP_MD).write_text(render(self.spec, result, complete=complete))
+        (self.out / SWEEP_HTML).write_text(render_html(self.spec, result))
+        state = json.loads(self.state_path.read_text())
+        state["result"] = result
+        self.state_path.write_text(json.dumps(state, indent=2, default=str))
+        if self.interrupted:
+            print(f"loadlab sweep: interrupted; {len(self.runs)} of {total} runs kept. Run the same command "
+                  "to resume.", file=sys.stderr, flush=True)  # fmt: skip
+            return 130
+        print(self.out / SWEEP_MD, flush=True)
+        return 0
+
+    def _run_configs(self, first: int, stage: str) -> None:
+        configs = self.all_configs()
+        spec, repeats = self.spec, self.spec["repeats"]
+        for k in range(first, len(configs)):
+            config = configs[k]
+            todo = [r for r in range(repeats) if f"{k}/{r}" not in self.runs]
+            if not todo or self.interrupted:
                 continue
-            server_args = {a: v for a, v in config.items() if "." not in a}
-            server = None
-            url = None
+            where = f"loadlab sweep: {stage}configuration {k + 1}/{len(configs)} ({label(config)})"
+            server = url = None
             if spec["launch"]:  # a fresh server per configuration
                 port = _free_port()
-                fill = {**{a: str(v) for a, v in server_args.items()}, "port": str(port)}
-                argv = [a.format(**fill) for a in spec["launch"]]
+                fill = {**{a: str(v) for a, v in config.items() if "." not in a}, "port": str(port)}
                 url = spec["url"].format(**fill)
-                server = LaunchedServer(argv, url, spec["ready_timeout_s"], out / f"server-{k}.log")
-                print(f"loadlab sweep: configuration {k + 1}/{len(configs)} ({label(config)}): starting "
-                      f"the server", file=sys.stderr, flush=True)  # fmt: skip
+                argv = [a.format(**fill) for a in spec["launch"]]
+                server = LaunchedServer(argv, url, spec["ready_timeout_s"], self.out / f"server-{k}.log")
+                print(f"{where}: starting the server", file=sys.stderr, flush=True)
                 server.start()
             try:
                 for r in todo:
-                    if interrupted:
+                    if self.interrupted:
                         break
                     eta = ""
-                    if done_here:
-                        left = total - len(runs)
-                        eta = f", about {(time.monotonic() - started) / done_here * left:.0f} s to go"
-                    print(f"loadlab sweep: configuration {k + 1}/{len(configs)} ({label(config)}), repeat "
-                          f"{r + 1}/{spec['repeats']}{eta}", file=sys.stderr, flush=True)  # fmt: skip
-                    run_dir = _one_run(spec, out, k, r, config, url, extra_run_args or [])
+                    if self.done_here:
+                        left = len(configs) * repeats - len(self.runs)
+                        eta = (
+                            f", about {(time.monotonic() - self.started) / self.done_here * left:.0f} s to go"
+                        )
+                    print(f"{where}, repeat {r + 1}/{repeats}{eta}", file=sys.stderr, flush=True)
+                    run_dir = _one_run(spec, self.out, k, r, config, url, self.extra)
                     if run_dir is None:  # cut short by Ctrl-C: not a finished run
-                        interrupted.append(1)
+                        self.interrupted.append(1)
                         break
-                    runs[f"{k}/{r}"] = str(run_dir)
-                    done_here += 1
-                    _save(state_path, spec, configs, runs)
+                    self.runs[f"{k}/{r}"] = str(run_dir)
+                    self.done_here += 1
+                    self._save()
             finally:
                 if server is not None:
                     server.stop()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        _save(state_path, spec, configs, runs)
-    result = aggregate(spec, configs, runs)
-    (out / SWEEP_MD).write_text(render(spec, result, complete=not interrupted and len(runs) == total))
-    (out / SWEEP_HTML).write_text(render_html(spec, result))
-    state = json.loads(state_path.read_text())
-    state["result"] = result
-    state_path.write_text(json.dumps(state, indent=2, default=str))
-    if interrupted:
-        print(f"loadlab sweep: interrupted; {len(runs)} of {total} runs kept. Run the same command to resume.",
-              file=sys.stderr, flush=True)  # fmt: skip
-        return 130
-    print(out / SWEEP_MD, flush=True)
-    return 0
 
-
-def _save(path: Path, spec: dict[str, Any], configs: list[dict], runs: dict[str, str]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"spec": spec, "configs": configs, "runs": runs}, indent=2, default=str))
-    os.replace(tmp, path)
+    def _save(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        state = {"spec": self.spec, "configs": self.configs, "refined": self.refined, "runs": self.runs}
+        tmp.write_text(json.dumps(state, indent=2, default=str))
+        os.replace(tmp, self.state_path)
 
 
 def _one_run(spec, out: Path, k: int, r: int, config: dict, url: str | None, extra: list[str]) -> Path | None:
@@ -286,6 +334,7 @@ def _get(d: dict, path: tuple[str, ...]) -> Any:
 
 
 def aggregate(spec: dict[str, Any], configs: list[dict], runs: dict[str, str]) -> dict[str, Any]:
+    coarse = configurations(spec["axes"])
     rows = []
     for k, config in enumerate(configs):
         summaries = []
@@ -302,24 +351,57 @@ def aggregate(spec: dict[str, Any], configs: list[dict], runs: dict[str, str]) -
                 "max": max(values) if values else None,
             }
         row["failed"] = sum(int(s.get("failed") or 0) for s in summaries)
+        row["refined"] = config not in coarse
         rows.append(row)
+    if spec.get("refine"):  # one numeric axis: refined values go between the coarse ones
+        rows.sort(key=lambda row: next(iter(row["config"].values())))
     return {"rows": rows, **choose(spec, rows)}
+
+
+def refine_configs(spec: dict[str, Any], rows: list[dict]) -> list[dict[str, Any]]:
+    """``spec["refine"]`` more values of the (only) axis on each side of the knee, up to its neighbours:
+    evenly spaced on a log scale for positive values (limits and loads are swept in doublings), rounded
+    for an integer axis; values already swept are skipped."""
+    done = [r for r in rows if r["repeats"]]
+    knee = knee_index(done)
+    if knee is None:
+        return []
+    axis = next(iter(done[0]["config"]))
+    values = [r["config"][axis] for r in done]
+    integer = all(isinstance(v, int) for v in values)
+    added: list[float] = []
+    for lo, hi in ((knee - 1, knee), (knee, knee + 1)):
+        if lo < 0 or hi >= len(values):
+            continue
+        a, b, n = values[lo], values[hi], spec["refine"]
+        for i in range(1, n + 1):
+            f = i / (n + 1)
+            v = a * (b / a) ** f if a > 0 else a + (b - a) * f
+            v = round(v) if integer else round(v, 6)
+            if a < v < b and v not in values and v not in added:
+                added.append(v)
+    return [{axis: v} for v in added]
 
 
 def _median(row: dict, column: str) -> float | None:
     return row["values"][column]["median"]
 
 
-def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
-    """The knee along the sweep's order and the SLO-first choice, with reasons and findings."""
-    done = [r for r in rows if r["repeats"]]
-    thr = [_median(r, "output tok/s") for r in done]
-    knee = None
+def knee_index(rows: list[dict]) -> int | None:
+    """The first row after which the next adds less than KNEE_GAIN throughput (rows in sweep order)."""
+    thr = [_median(r, "output tok/s") for r in rows]
     for i, t in enumerate(thr):
         nxt = thr[i + 1] if i + 1 < len(thr) else None
         if t is not None and (nxt is None or nxt < t * (1 + KNEE_GAIN)):
-            knee = label(done[i]["config"])
-            break
+            return i
+    return None
+
+
+def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
+    """The knee along the sweep's order and the SLO-first choice, with reasons and findings."""
+    done = [r for r in rows if r["repeats"]]
+    k = knee_index(done)
+    knee = label(done[k]["config"]) if k is not None else None
     slo = spec.get("slo") or {}
     limits = {"TTFT P95 ms": slo.get("ttft_p95_ms"), "TPOT P95 ms": slo.get("tpot_p95_ms")}
     rejected, passing = [], []
@@ -374,6 +456,9 @@ def render_html(spec: dict[str, Any], result: dict[str, Any]) -> str:
 
     rows = [r for r in result["rows"] if r["repeats"]]
     labels = [label(r["config"]) for r in rows]
+    axis_names = list(spec["axes"])
+    # One axis: its values on the x axis, its name below; several: each configuration's label.
+    ticks = [str(r["config"][axis_names[0]]) for r in rows] if len(axis_names) == 1 else labels
     x = list(range(len(rows)))
     slo = result.get("slo") or {}
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
@@ -387,19 +472,26 @@ def render_html(spec: dict[str, Any], result: dict[str, Any]) -> str:
                         [v if v is not None else float("nan") for v in hi], alpha=0.2)  # fmt: skip
         if limit is not None:
             ax.axhline(limit, color="red", ls="--", lw=1, label=f"SLO {limit:g}")
-            ax.legend()
         if result.get("knee") in labels:
-            ax.axvline(labels.index(result["knee"]), color="grey", ls=":", lw=1)
+            ax.axvline(labels.index(result["knee"]), color="grey", ls=":", lw=1, label="knee")
+        if result.get("choice") in labels and med[labels.index(result["choice"])] is not None:
+            i = labels.index(result["choice"])
+            ax.plot([i], [med[i]], marker="*", ms=16, color="green", ls="none", label="SLO-first choice")
+        ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)  # small differences stay small
-        ax.set_title(column + (" (knee dotted)" if result.get("knee") else ""))
-        ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(column)
+        ax.set_xticks(x, ticks, rotation=0 if len(axis_names) == 1 else 30, ha="center" if len(axis_names) == 1
+                      else "right", fontsize=8)  # fmt: skip
+        if len(axis_names) == 1:
+            ax.set_xlabel(axis_names[0])
         ax.grid(alpha=0.3)
     image = png_base64(fig)
     plt.close(fig)
     title = html.escape(f"loadlab sweep: {spec['name']}")
     table = html.escape(render(spec, result, complete=True))
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
-            f"<body style='font-family:sans-serif'><h1>{title}</h1>"
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>"
+            "body{font-family:sans-serif}pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}</style>"
+            f"</head><body><h1>{title}</h1>"
             f"<img alt='sweep curves' style='max-width:100%' src='data:image/png;base64,{image}'>"
             f"<pre>{table}</pre></body></html>\n")  # fmt: skip
 
@@ -434,6 +526,9 @@ def render(spec: dict[str, Any], result: dict[str, Any], complete: bool) -> str:
     lines.append(
         f"- SLO-first choice (highest throughput meeting {slo_text}): {result['choice'] or 'none meets it'}"
     )
+    refined = [str(next(iter(r["config"].values()))) for r in result["rows"] if r.get("refined")]
+    if refined:
+        lines.append(f"- Refined around the coarse sweep's knee: {', '.join(refined)} added")
     for item in result["rejected"]:
         lines.append(f"  - rejected {item['config']}: {'; '.join(item['reasons'])}")
     for finding in result["findings"]:

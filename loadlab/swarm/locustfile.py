@@ -162,7 +162,9 @@ def _on_test_start(environment, **_kw):
         gevent.spawn(end_run, environment)
         return
     session.run = environment.loadlab_run = run
-    run.scraper = Scraper([environment.host], run.dir).start()  # its own process: parsing costs CPU
+    run.scraper = Scraper(
+        [environment.host], run.dir, session.profile.target.metrics_interval_s
+    ).start()  # its own process: parsing costs CPU
     _freeze_heap()
     run.client_limits = (opts.client_limit_ms, opts.client_limit_cpu)
     coordinator = environment.loadlab_coordinator
