@@ -42,9 +42,17 @@ class Target(_Strict):
     timeout_s: float = Field(600.0, gt=0, description="deadline for a whole request")
     idle_timeout_s: float = Field(60.0, gt=0, description="longest silence allowed within a stream")
     metrics_interval_s: float = Field(1.0, gt=0, description="how often the server's /metrics is scraped")
+    # A cluster behind a router: list every worker; the series are kept per server and summed per round.
+    metrics_urls: list[str] | None = Field(
+        None, description="servers whose /metrics are scraped; default: url"
+    )
 
     @model_validator(mode="after")
     def _url_shape(self):
+        for i, url in enumerate(self.metrics_urls or []):
+            problem = url_problem(url)
+            if problem:
+                raise ValueError(f"metrics_urls[{i}]: not an http(s) URL: {problem} (got {url!r})")
         if self.url == EMBEDDED:
             return self
         problem = url_problem(self.url)

@@ -137,6 +137,23 @@ def read_server_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def gauge_series(rows: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
+    """A gauge per scrape round (times of the first server's scrapes), summed across the servers: the
+    requests running or queued in a cluster are the sum of its servers'."""
+    by_url: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if "m" in r:
+            by_url.setdefault(r["url"], []).append(r)
+    times: dict[int, float] = {}
+    sums: dict[int, float] = {}
+    for series in by_url.values():
+        for i, r in enumerate(series):
+            if name in r["m"]:
+                times.setdefault(i, r["t"])
+                sums[i] = sums.get(i, 0.0) + r["m"][name]
+    return [times[i] for i in sorted(sums)], [sums[i] for i in sorted(sums)]
+
+
 def server_summary(rows: list[dict[str, Any]], start: float | None, end: float | None) -> dict[str, Any]:
     """The seed's server-side columns over [start, end] (the measured window, epoch s), per target URL
     summed or maxed across servers: mean queue delay, peak KV usage, running and queued requests,
@@ -159,13 +176,7 @@ def server_summary(rows: list[dict[str, Any]], start: float | None, end: float |
         return total if seen else None
 
     def gauge(name: str) -> list[float]:
-        # Per scrape instant, summed across servers (running/queued) is what a cluster carries.
-        per_time: dict[int, float] = {}
-        for series in by_url.values():
-            for i, m in enumerate(series):
-                if name in m:
-                    per_time[i] = per_time.get(i, 0.0) + m[name]
-        return list(per_time.values())
+        return gauge_series(good, name)[1]
 
     def stat(values: list[float], fn) -> float | None:
         return float(fn(values)) if values else None

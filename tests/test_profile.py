@@ -155,6 +155,11 @@ BAD = {
         ["target", "out of range"],
     ),
     "url with a query": (GOOD.replace("url: embedded", "url: http://h:1/?x=1"), 3, ["target", "query"]),
+    "metrics url not http": (
+        GOOD.replace("  url: embedded\n", "  url: embedded\n  metrics_urls: [http://a:1, a:2]\n"),
+        3,
+        ["target", "metrics_urls[1]"],
+    ),
     "open loop without rate": (GOOD.replace("  concurrency: 4", "  model: open"), 6, ["load", "needs rate"]),
     "closed loop with rate": (
         GOOD.replace("  concurrency: 4", "  concurrency: 4\n  rate: 3"),

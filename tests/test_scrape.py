@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadlab.scrape import parse_metrics, server_summary
+from loadlab.scrape import gauge_series, parse_metrics, server_summary
 
 PAGE = """\
 # HELP sglang:num_running_reqs The number of running requests.
@@ -109,3 +109,46 @@ def test_a_run_reports_the_servers_side(tmp_path, metrics):
     assert server["available"] and server["max_running"] == 4 and server["max_queued"] >= 1
     assert server["mean_queue_time_ms"] > 0 and 0 < server["peak_token_usage"] < 0.05
     assert "Mean queue delay:" in md and "Running requests: mean" in md
+
+
+def test_a_cluster_is_summed_per_scrape_round():
+    a = [row(t, running=r) for t, r in ((0.0, 3), (1.0, 5), (2.0, 2))]
+    b = [{**row(t + 0.01, running=r), "url": "http://other"} for t, r in ((0.0, 4), (1.0, 4), (2.0, 8))]
+    times, running = gauge_series(a + b, "sglang:num_running_reqs")
+    assert times == [0.0, 1.0, 2.0] and running == [7, 9, 10]
+    s = server_summary(a + b, None, None)
+    assert s["servers"] == 2 and s["max_running"] == 10 and s["mean_running"] == pytest.approx(26 / 3)
+
+
+def test_metrics_urls_scrapes_every_server_listed(tmp_path):
+    from loadlab.experiment.sweep import LaunchedServer, _free_port
+
+    servers = []
+    try:
+        for name in ("a", "b"):  # b gets no traffic: its series is there, at zero
+            port = _free_port()
+            argv = ["loadlab", "sim", "--port", str(port), "--gpu", "h100-80gb", "--max-running-requests", "4",
+                    "--enable-metrics"]  # fmt: skip
+            server = LaunchedServer(argv, f"http://127.0.0.1:{port}", 60, tmp_path / f"{name}.log")
+            servers.append(server)
+            server.start()
+        urls = [s.url for s in servers]
+        profile = tmp_path / "p.yaml"
+        profile.write_text(
+            PROFILE.format(metrics="true").replace(
+                "url: embedded, embedded: {gpu: h100-80gb, enable_metrics: true, max_running_requests: 4}",
+                f"url: '{urls[0]}', metrics_urls: {json.dumps(urls)}, metrics_interval_s: 0.1",
+            )  # fmt: skip
+        )
+        done = subprocess.run([sys.executable, "-m", "loadlab", "run", str(profile), "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+    finally:
+        for server in servers:
+            server.stop()
+    run = Path(done.stdout.strip().splitlines()[-1])
+    lines = [json.loads(line) for line in (run / "server_metrics.jsonl").read_text().splitlines()]
+    assert {line["url"] for line in lines} == set(urls)
+    server = json.loads((run / "summary.json").read_text())["server"]
+    # 8 users on server a (at most 4 running) and none on b: the sum per round peaks at 4.
+    assert server["servers"] == 2 and server["max_running"] == 4

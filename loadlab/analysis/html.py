@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from loadlab.records import MEASURE, OK
+from loadlab.scrape import gauge_series
 
 REPORT_HTML = "report.html"
 
@@ -111,15 +112,22 @@ def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]]):
     axes[1].set_ylabel("requests")
     axes[2].plot(seconds, ttft_p50, marker=".", lw=0.8)
     axes[2].set_ylabel("TTFT P50 of sends (ms)")
-    good = [r for r in server_rows if "m" in r]
-    if good:
-        ts = np.array([r["t"] - t0 for r in good])
+    servers = sorted({r["url"] for r in server_rows if "m" in r})
+    if servers:
         for name, key in (
             ("running (server)", "sglang:num_running_reqs"),
             ("queued (server)", "sglang:num_queue_reqs"),
         ):
-            axes[1].plot(ts, [r["m"].get(key, np.nan) for r in good], label=name)
-        axes[3].plot(ts, [100 * r["m"].get("sglang:token_usage", np.nan) for r in good])
+            ts, values = gauge_series(server_rows, key)  # summed across the servers
+            axes[1].plot(
+                np.array(ts) - t0, values, label=name + (f"s, {len(servers)}" if len(servers) > 1 else "")
+            )
+        for url in servers:  # KV usage is per server: one line each
+            rows = [r for r in server_rows if r.get("url") == url and "sglang:token_usage" in r.get("m", {})]
+            axes[3].plot([r["t"] - t0 for r in rows], [100 * r["m"]["sglang:token_usage"] for r in rows],
+                         label=url if len(servers) > 1 else None)  # fmt: skip
+        if len(servers) > 1:
+            axes[3].legend(loc="upper right", fontsize=8)
         axes[3].set_ylabel("KV usage (%)")
     else:
         axes[3].text(

@@ -162,9 +162,10 @@ def _on_test_start(environment, **_kw):
         gevent.spawn(end_run, environment)
         return
     session.run = environment.loadlab_run = run
+    target = session.profile.target  # its own process: parsing costs CPU
     run.scraper = Scraper(
-        [environment.host], run.dir, session.profile.target.metrics_interval_s
-    ).start()  # its own process: parsing costs CPU
+        target.metrics_urls or [environment.host], run.dir, target.metrics_interval_s
+    ).start()
     _freeze_heap()
     run.client_limits = (opts.client_limit_ms, opts.client_limit_cpu)
     coordinator = environment.loadlab_coordinator
