@@ -53,6 +53,8 @@ class Target(_Strict):
             problem = url_problem(url)
             if problem:
                 raise ValueError(f"metrics_urls[{i}]: not an http(s) URL: {problem} (got {url!r})")
+            if url in self.metrics_urls[:i]:
+                raise ValueError(f"metrics_urls[{i}]: {url} is listed twice")
         if self.url == EMBEDDED:
             return self
         problem = url_problem(self.url)

@@ -11,6 +11,7 @@ seed's server-side columns; a target without ``/metrics`` leaves them unavailabl
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import subprocess
@@ -84,11 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     with open(args.out, "a") as f:
-        next_t = time.monotonic()
+        next_t, round_no = time.monotonic(), 0
         while not stop:
-            for url in args.urls:
-                f.write(json.dumps(scrape_once(url)) + "\n")
+            for url in args.urls:  # a round: every server once; the round number lines their series up
+                f.write(json.dumps({**scrape_once(url), "round": round_no}) + "\n")
             f.flush()
+            round_no += 1
             next_t += args.interval
             time.sleep(max(0.0, next_t - time.monotonic()))
     return 0
@@ -119,9 +121,13 @@ class Scraper:
 
 
 def scrape_interval(rows: list[dict[str, Any]]) -> float:
-    """The interval the rows were scraped at (the median gap), DEFAULT_INTERVAL_S with too few rows."""
-    t = sorted(r["t"] for r in rows if isinstance(r.get("t"), int | float))
-    gaps = sorted(b - a for a, b in zip(t, t[1:], strict=False))
+    """The interval the rows were scraped at (the median gap between one server's scrapes),
+    DEFAULT_INTERVAL_S with too few rows."""
+    by_url: dict[str, list[float]] = {}
+    for r in rows:
+        if isinstance(r.get("t"), int | float):
+            by_url.setdefault(r.get("url", ""), []).append(r["t"])
+    gaps = sorted(b - a for t in by_url.values() for a, b in itertools.pairwise(sorted(t)))
     return gaps[len(gaps) // 2] if len(gaps) >= 2 else DEFAULT_INTERVAL_S
 
 
@@ -138,20 +144,21 @@ def read_server_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def gauge_series(rows: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
-    """A gauge per scrape round (times of the first server's scrapes), summed across the servers: the
-    requests running or queued in a cluster are the sum of its servers'."""
-    by_url: dict[str, list[dict[str, Any]]] = {}
+    """A gauge per scrape round (at the round's first scrape), summed across the servers: the requests
+    running or queued in a cluster are the sum of its servers'. A round where a server's value is missing
+    (a failed scrape, the edge of a window) is left out rather than summed short."""
+    servers = {r["url"] for r in rows if "m" in r}
+    rounds: dict[Any, dict[str, tuple[float, float]]] = {}
+    position: dict[str, int] = {}
     for r in rows:
-        if "m" in r:
-            by_url.setdefault(r["url"], []).append(r)
-    times: dict[int, float] = {}
-    sums: dict[int, float] = {}
-    for series in by_url.values():
-        for i, r in enumerate(series):
-            if name in r["m"]:
-                times.setdefault(i, r["t"])
-                sums[i] = sums.get(i, 0.0) + r["m"][name]
-    return [times[i] for i in sorted(sums)], [sums[i] for i in sorted(sums)]
+        url = r.get("url")
+        key = r.get("round")
+        if key is None:  # written before rounds were numbered: the n-th scrape of each server
+            key = position[url] = position.get(url, -1) + 1
+        if "m" in r and name in r["m"]:
+            rounds.setdefault(key, {})[url] = (r["t"], r["m"][name])
+    whole = [by_url for _, by_url in sorted(rounds.items()) if set(by_url) == servers]
+    return [min(t for t, _ in b.values()) for b in whole], [sum(v for _, v in b.values()) for b in whole]
 
 
 def server_summary(rows: list[dict[str, Any]], start: float | None, end: float | None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadlab.scrape import gauge_series, parse_metrics, server_summary
+from loadlab.scrape import gauge_series, parse_metrics, scrape_interval, server_summary
 
 PAGE = """\
 # HELP sglang:num_running_reqs The number of running requests.
@@ -118,6 +118,14 @@ def test_a_cluster_is_summed_per_scrape_round():
     assert times == [0.0, 1.0, 2.0] and running == [7, 9, 10]
     s = server_summary(a + b, None, None)
     assert s["servers"] == 2 and s["max_running"] == 10 and s["mean_running"] == pytest.approx(26 / 3)
+    # Numbered rounds: a failed scrape of b leaves its round out instead of shifting b's later values.
+    a = [{**row(t, running=t), "round": t} for t in range(5)]
+    b = [{**row(t + 0.01, running=10 * t), "url": "http://other", "round": t} for t in range(5)]
+    b[1] = {"t": 1.01, "url": "http://other", "error": "GET /metrics: timed out", "round": 1}
+    times, running = gauge_series(a + b, "sglang:num_running_reqs")
+    assert times == [0, 2, 3, 4] and running == [0, 22, 33, 44]
+    # The scrape interval is one server's: two servers scraped 10 ms apart each second read 1 s, not 10 ms.
+    assert scrape_interval(a + b) == pytest.approx(1.0)
 
 
 def test_metrics_urls_scrapes_every_server_listed(tmp_path):

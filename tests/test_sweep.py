@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loadlab.experiment.sweep import SweepError, choose, load_sweep, refine_configs
+from loadlab.experiment.sweep import SweepError, choose, knee_index, load_sweep, refine_configs
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEP = REPO / "tests" / "sweeps" / "short.yaml"
@@ -102,6 +103,34 @@ def test_refine_adds_values_on_a_log_scale_between_the_knee_and_its_neighbours()
     # The knee at the first value refines upward only; values already swept are not added again.
     assert refine_configs({"refine": 1}, [row(32, 1000), row(64, 1010)]) == [{"max_running_requests": 45}]
     assert refine_configs({"refine": 3}, [row(1, 10), row(2, 10)]) == []
+    # An axis of whole floats is a count too (--set load.concurrency needs an integer).
+    floats = [
+        {**row(v, t), "config": {"load.concurrency": v}} for v, t in ((8.0, 100), (16.0, 200), (32.0, 201))
+    ]
+    assert refine_configs({"refine": 1, "axes": {"load.concurrency": [8.0, 16.0, 32.0]}}, floats) == [
+        {"load.concurrency": 11},
+        {"load.concurrency": 23},
+    ]
+
+
+def test_the_knee_stays_put_when_refined_rows_come_in_between():
+    def row(limit, thr):
+        return {"config": {"max_running_requests": limit}, "repeats": 1,
+                "values": {"output tok/s": {"median": thr, "min": thr, "max": thr}}}  # fmt: skip
+
+    def curve(v):  # saturating throughput: each doubling pays less
+        return 2000 * (1 - math.exp(-v / 60))
+
+    coarse = [row(v, curve(v)) for v in (32, 64, 128, 256, 512)]
+    knee = coarse[knee_index(coarse)]["config"]["max_running_requests"]
+    assert knee == 256  # 512 adds < 5%; 256 over 128 adds ~ 12%
+    for n in (1, 2, 3):  # with a per-step rule the knee fell to 181, 161, then 128 as points were added
+        added = [c["max_running_requests"] for c in refine_configs({"refine": n, "axes": {}}, coarse)]
+        fine = sorted(
+            coarse + [row(v, curve(v)) for v in added], key=lambda r: r["config"]["max_running_requests"]
+        )
+        found = fine[knee_index(fine)]["config"]["max_running_requests"]
+        assert 181 <= found <= 256, (n, found)
 
 
 @pytest.mark.parametrize(
@@ -119,10 +148,14 @@ def test_refine_adds_values_on_a_log_scale_between_the_knee_and_its_neighbours()
             "profile: short-profile.yaml\naxes: {load.concurrency: [1, 4], load.rate: [1]}\nrefine: 1\n",
             "refine: needs a sweep over one axis",
         ),
-        ("profile: short-profile.yaml\naxes: {load.concurrency: [4, 1]}\nrefine: 1\n", "needs increasing"),
+        (
+            "profile: short-profile.yaml\naxes: {load.concurrency: [4, 1]}\nrefine: 1\n",
+            "two or more increasing",
+        ),
+        ("profile: short-profile.yaml\naxes: {load.concurrency: [4]}\nrefine: 1\n", "two or more increasing"),
         (
             "profile: short-profile.yaml\naxes: {load.concurrency: [1, 4]}\nrefine: yes\n",
-            "refine: the number",
+            "refine: a whole number",
         ),
     ],
 )
@@ -135,3 +168,49 @@ def test_bad_sweep_files_get_one_line(tmp_path, text, fragment):
     with pytest.raises(SweepError) as e:
         load_sweep(path)
     assert fragment in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_resume_keeps_or_refuses_a_refine_stage(tmp_path, monkeypatch):
+    """The sweep's state machine with the runs replaced by summaries from a known curve (the end-to-end
+    test above runs real ones): refine after the coarse stage, resume after an interruption in it, and
+    a changed `refine:` refused once refined runs exist."""
+    import loadlab.experiment.sweep as sweep_mod
+
+    (tmp_path / "short-profile.yaml").write_text(
+        (REPO / "tests" / "sweeps" / "short-profile.yaml").read_text()
+    )
+    path = tmp_path / "s.yaml"
+    calls, stop_at = [], []
+
+    def fake_run(spec, out, k, r, config, url, extra):
+        if stop_at and len(calls) == stop_at[0]:
+            return None  # cut short, as Ctrl-C does
+        calls.append(config["load.concurrency"])
+        run = out / "runs" / f"c{k:02d}-r{r}"
+        run.mkdir(parents=True)
+        thr = 2000 * (1 - math.exp(-config["load.concurrency"] / 6))
+        (run / "summary.json").write_text(json.dumps({"output_throughput": thr, "failed": 0}))
+        return run
+
+    monkeypatch.setattr(sweep_mod, "_one_run", fake_run)
+    path.write_text(
+        "profile: short-profile.yaml\naxes: {load.concurrency: [2, 4, 8, 16, 32, 64]}\nrefine: 1\n"
+    )
+    out = tmp_path / "out"
+    stop_at.append(7)  # the six coarse runs, then one of the refine stage
+    assert sweep_mod.run_sweep(load_sweep(path), out) == 130
+    state = json.loads((out / "sweep.json").read_text())
+    # Coarse knee at 32 (64 adds 0.5%, 32 over 16 adds 7%): one value each side, on a log scale.
+    assert state["refined"] == [{"load.concurrency": 23}, {"load.concurrency": 45}]
+    assert state["refined_with"] == 1
+    assert len(state["runs"]) == 7
+    stop_at.clear()
+    assert sweep_mod.run_sweep(load_sweep(path), out) == 0  # resumes with the same refined values
+    assert calls == [2, 4, 8, 16, 32, 64, 23, 45]
+    result = json.loads((out / "sweep.json").read_text())["result"]
+    assert [r["config"]["load.concurrency"] for r in result["rows"]] == [2, 4, 8, 16, 23, 32, 45, 64]
+    # The finer grid places the knee within the refined span (23 to 32: +1.8% in half a doubling).
+    assert result["knee"] in ("load.concurrency=23", "load.concurrency=32")
+    path.write_text(path.read_text().replace("refine: 1", "refine: 2"))
+    with pytest.raises(SweepError, match="refined with refine: 1"):
+        sweep_mod.run_sweep(load_sweep(path), out)

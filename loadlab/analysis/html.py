@@ -31,17 +31,27 @@ class RenderError(RuntimeError):
 
 def screenshot(page: Path, png: Path, width: int = 1280, height: int = 2400) -> Path:
     """Renders ``page`` in headless Chromium (Debian: ``apt-get install chromium``; not a dependency) and
-    saves a screenshot: the check that a report renders with its plots."""
+    saves a screenshot: the check that a report renders with its plots. ``png`` is replaced only by a
+    screenshot that was taken."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         raise RenderError("no chromium on PATH (Debian: apt-get install chromium)")
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-           f"--window-size={width},{height}", f"--screenshot={png.resolve()}", page.resolve().as_uri()]  # fmt: skip
-    png.unlink(missing_ok=True)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if done.returncode != 0 or not png.exists():
+    if not page.is_file():
+        raise RenderError(f"{page}: no such page")
+    shot = png.with_name(png.name + ".tmp.png").resolve()
+    # /dev/shm is 64 MB in a container: without --disable-dev-shm-usage Chromium may crash or draw nothing.
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+           f"--window-size={width},{height}", f"--screenshot={shot}", page.resolve().as_uri()]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        shot.unlink(missing_ok=True)
+        raise RenderError(f"chromium did not render {page} within 120 s") from None
+    if done.returncode != 0 or not shot.exists():
+        shot.unlink(missing_ok=True)
         tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
         raise RenderError(f"chromium could not render {page} (exit status {done.returncode}): {tail[0]}")
+    shot.replace(png)
     return png
 
 
@@ -120,7 +130,9 @@ def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]]):
         ):
             ts, values = gauge_series(server_rows, key)  # summed across the servers
             axes[1].plot(
-                np.array(ts) - t0, values, label=name + (f"s, {len(servers)}" if len(servers) > 1 else "")
+                np.array(ts) - t0,
+                values,
+                label=name.replace("server", f"{len(servers)} servers") if len(servers) > 1 else name,
             )
         for url in servers:  # KV usage is per server: one line each
             rows = [r for r in server_rows if r.get("url") == url and "sglang:token_usage" in r.get("m", {})]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import signal
 import socket
@@ -94,19 +95,20 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     repeats = data.get("repeats", 1)
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise SweepError(f"{path}: repeats: a positive integer (got {repeats!r})")
-    refine = data.get("refine", 0)
+    refine = data.get("refine") or 0
     if not isinstance(refine, int) or isinstance(refine, bool) or refine < 0:
-        raise SweepError(
-            f"{path}: refine: the number of values to add on each side of the knee (got {refine!r})"
-        )
+        raise SweepError(f"{path}: refine: a whole number >= 0 of values to add on each side of the knee "
+                         f"(got {refine!r})")  # fmt: skip
     if refine:
         (axis, values), *others = axes.items()
         if others:
             raise SweepError(f"{path}: refine: needs a sweep over one axis (this one has {len(axes)})")
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values) or any(
-            b <= a for a, b in itertools.pairwise(values)
+        if (
+            len(values) < 2
+            or not all(_is_number(v) for v in values)
+            or any(b <= a for a, b in itertools.pairwise(values))
         ):
-            raise SweepError(f"{path}: refine: axes: {axis}: needs increasing numbers to refine between")
+            raise SweepError(f"{path}: refine: axes: {axis}: needs two or more increasing numbers")
     base = (
         (path.parent / data["profile"]) if not Path(data["profile"]).is_absolute() else Path(data["profile"])
     )
@@ -203,6 +205,13 @@ class Sweep:
             raise SweepError(f"{out}: holds a different sweep (axes changed); use another --out")
         self.runs: dict[str, str] = state.get("runs", {})  # "k/r" -> run dir, finished runs only
         self.refined: list[dict] | None = state.get("refined")
+        self.refined_with = state.get("refined_with")
+        if self.refined is not None and self.refined_with != spec["refine"]:
+            refined_runs = [key for key in self.runs if int(key.split("/")[0]) >= len(self.configs)]
+            if refined_runs:
+                raise SweepError(f"{out}: holds a sweep refined with refine: {self.refined_with}; use another "
+                                 f"--out (or refine: {self.refined_with})")  # fmt: skip
+            self.refined = None  # nothing refined has run yet: refine anew (or not at all)
         self.interrupted: list[int] = []
         self.started, self.done_here = time.monotonic(), 0
 
@@ -212,18 +221,21 @@ class Sweep:
     def run(self) -> int:
         previous = signal.signal(signal.SIGINT, lambda *_: self.interrupted.append(1))
         try:
-            self._run_configs(0, "")
+            self._run_configs(0, len(self.configs), "")
             coarse_done = all(f"{k}/{r}" in self.runs for k in range(len(self.configs))
                               for r in range(self.spec["repeats"]))  # fmt: skip
             if self.spec["refine"] and coarse_done and not self.interrupted:
                 if self.refined is None:
                     coarse = aggregate(self.spec, self.configs, self.runs)
-                    self.refined = refine_configs(self.spec, coarse["rows"])
+                    self.refined, self.refined_with = (
+                        refine_configs(self.spec, coarse["rows"]),
+                        self.spec["refine"],
+                    )
                     self._save()
-                    print(f"loadlab sweep: refining around the knee ({coarse['knee']}): "
-                          f"{', '.join(label(c) for c in self.refined) or 'no value in between'}",
+                    added = ", ".join(label(c) for c in self.refined) or "no value in between"
+                    print(f"loadlab sweep: refining around the knee ({coarse['knee'] or 'none found'}): {added}",
                           file=sys.stderr, flush=True)  # fmt: skip
-                self._run_configs(len(self.configs), "refine: ")
+                self._run_configs(len(self.configs), len(self.all_configs()), "refine: ")
         finally:
             signal.signal(signal.SIGINT, previous)
             self._save()
@@ -243,10 +255,10 @@ class Sweep:
         print(self.out / SWEEP_MD, flush=True)
         return 0
 
-    def _run_configs(self, first: int, stage: str) -> None:
+    def _run_configs(self, first: int, stop: int, stage: str) -> None:
         configs = self.all_configs()
         spec, repeats = self.spec, self.spec["repeats"]
-        for k in range(first, len(configs)):
+        for k in range(first, stop):
             config = configs[k]
             todo = [r for r in range(repeats) if f"{k}/{r}" not in self.runs]
             if not todo or self.interrupted:
@@ -285,7 +297,8 @@ class Sweep:
 
     def _save(self) -> None:
         tmp = self.state_path.with_suffix(".tmp")
-        state = {"spec": self.spec, "configs": self.configs, "refined": self.refined, "runs": self.runs}
+        state = {"spec": self.spec, "configs": self.configs, "refined": self.refined,
+                 "refined_with": self.refined_with, "runs": self.runs}  # fmt: skip
         tmp.write_text(json.dumps(state, indent=2, default=str))
         os.replace(tmp, self.state_path)
 
@@ -353,7 +366,7 @@ def aggregate(spec: dict[str, Any], configs: list[dict], runs: dict[str, str]) -
         row["failed"] = sum(int(s.get("failed") or 0) for s in summaries)
         row["refined"] = config not in coarse
         rows.append(row)
-    if spec.get("refine"):  # one numeric axis: refined values go between the coarse ones
+    if any(row["refined"] for row in rows):  # one numeric axis: refined values go between the coarse ones
         rows.sort(key=lambda row: next(iter(row["config"].values())))
     return {"rows": rows, **choose(spec, rows)}
 
@@ -368,7 +381,8 @@ def refine_configs(spec: dict[str, Any], rows: list[dict]) -> list[dict[str, Any
         return []
     axis = next(iter(done[0]["config"]))
     values = [r["config"][axis] for r in done]
-    integer = all(isinstance(v, int) for v in values)
+    swept = set(spec.get("axes", {}).get(axis, [])) | set(values)
+    integer = all(float(v).is_integer() for v in swept)  # 8.0, 16.0 are counts too: --set needs integers
     added: list[float] = []
     for lo, hi in ((knee - 1, knee), (knee, knee + 1)):
         if lo < 0 or hi >= len(values):
@@ -377,8 +391,8 @@ def refine_configs(spec: dict[str, Any], rows: list[dict]) -> list[dict[str, Any
         for i in range(1, n + 1):
             f = i / (n + 1)
             v = a * (b / a) ** f if a > 0 else a + (b - a) * f
-            v = round(v) if integer else round(v, 6)
-            if a < v < b and v not in values and v not in added:
+            v = round(v) if integer else float(f"{v:.6g}")
+            if a < v < b and v not in swept and v not in added:
                 added.append(v)
     return [{axis: v} for v in added]
 
@@ -388,13 +402,28 @@ def _median(row: dict, column: str) -> float | None:
 
 
 def knee_index(rows: list[dict]) -> int | None:
-    """The first row after which the next adds less than KNEE_GAIN throughput (rows in sweep order)."""
+    """The first row after which the next adds less than KNEE_GAIN throughput (rows in sweep order). Along
+    one axis of positive numbers the gain is taken per doubling of the value, so the knee does not move
+    when a refine step puts more rows in between (coarse sweeps double: the same rule there)."""
     thr = [_median(r, "output tok/s") for r in rows]
+    values = [next(iter(r["config"].values())) if len(r["config"]) == 1 else None for r in rows]
+    scaled = all(_is_number(v) and v > 0 for v in values)
     for i, t in enumerate(thr):
         nxt = thr[i + 1] if i + 1 < len(thr) else None
-        if t is not None and (nxt is None or nxt < t * (1 + KNEE_GAIN)):
+        if t is None:
+            continue
+        if nxt is None:
+            return i
+        gain = nxt / t if t > 0 else float("inf")
+        if scaled and values[i + 1] > values[i]:
+            gain **= 1 / math.log2(values[i + 1] / values[i])
+        if gain < 1 + KNEE_GAIN:
             return i
     return None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
@@ -428,6 +457,8 @@ def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
             peak = max(_median(r, "max running") or 0 for r in done)
             findings.append(f"{axis} at {', '.join(str(v) for v in never_bound)} never bound: at most "
                             f"{peak:.0f} requests were ever running, below the limit")  # fmt: skip
+    if k is not None and len(done) > 1 and k == len(done) - 1:
+        findings.append(f"throughput still grew up to {knee}: the knee may lie beyond the sweep")
     first_retract = next((r for r in done if (_median(r, "retractions") or 0) > 0), None)
     if first_retract is not None:
         findings.append(
@@ -459,7 +490,11 @@ def render_html(spec: dict[str, Any], result: dict[str, Any]) -> str:
     axis_names = list(spec["axes"])
     # One axis: its values on the x axis, its name below; several: each configuration's label.
     ticks = [str(r["config"][axis_names[0]]) for r in rows] if len(axis_names) == 1 else labels
-    x = list(range(len(rows)))
+    values = [r["config"][axis_names[0]] for r in rows]
+    # One axis of positive numbers (limits, loads): at their values on a log scale, so refined points sit
+    # where they belong; otherwise one slot per configuration.
+    log_x = len(axis_names) == 1 and bool(rows) and all(_is_number(v) and v > 0 for v in values)
+    x = values if log_x else list(range(len(rows)))
     slo = result.get("slo") or {}
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for ax, column, limit in zip(axes, ("output tok/s", "TTFT P95 ms", "TPOT P95 ms"),
@@ -473,13 +508,16 @@ def render_html(spec: dict[str, Any], result: dict[str, Any]) -> str:
         if limit is not None:
             ax.axhline(limit, color="red", ls="--", lw=1, label=f"SLO {limit:g}")
         if result.get("knee") in labels:
-            ax.axvline(labels.index(result["knee"]), color="grey", ls=":", lw=1, label="knee")
+            ax.axvline(x[labels.index(result["knee"])], color="grey", ls=":", lw=1, label="knee")
         if result.get("choice") in labels and med[labels.index(result["choice"])] is not None:
             i = labels.index(result["choice"])
-            ax.plot([i], [med[i]], marker="*", ms=16, color="green", ls="none", label="SLO-first choice")
+            ax.plot([x[i]], [med[i]], marker="*", ms=16, color="green", ls="none", label="SLO-first choice")
         ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)  # small differences stay small
         ax.set_title(column)
+        if log_x:
+            ax.set_xscale("log")
+            ax.minorticks_off()
         ax.set_xticks(x, ticks, rotation=0 if len(axis_names) == 1 else 30, ha="center" if len(axis_names) == 1
                       else "right", fontsize=8)  # fmt: skip
         if len(axis_names) == 1:
@@ -526,7 +564,9 @@ def render(spec: dict[str, Any], result: dict[str, Any], complete: bool) -> str:
     lines.append(
         f"- SLO-first choice (highest throughput meeting {slo_text}): {result['choice'] or 'none meets it'}"
     )
-    refined = [str(next(iter(r["config"].values()))) for r in result["rows"] if r.get("refined")]
+    refined = [
+        str(next(iter(r["config"].values()))) for r in result["rows"] if r.get("refined") and r["repeats"]
+    ]
     if refined:
         lines.append(f"- Refined around the coarse sweep's knee: {', '.join(refined)} added")
     for item in result["rejected"]:

@@ -162,8 +162,8 @@ def _on_test_start(environment, **_kw):
         gevent.spawn(end_run, environment)
         return
     session.run = environment.loadlab_run = run
-    target = session.profile.target  # its own process: parsing costs CPU
-    run.scraper = Scraper(
+    target = session.profile.target
+    run.scraper = Scraper(  # its own process: parsing costs CPU
         target.metrics_urls or [environment.host], run.dir, target.metrics_interval_s
     ).start()
     _freeze_heap()
