@@ -255,7 +255,10 @@ def _cmd_validate(args) -> int:
         if is_sweep_file(path):
             spec = load_sweep(path)
             n = len(configurations(spec["axes"]))
-            print(f"{path}: ok (sweep: {n} configurations x {spec['repeats']} repeats of {spec['profile']})")
+            refine = f", then {spec['refine']} more per side of the knee" if spec["refine"] else ""
+            print(
+                f"{path}: ok (sweep: {n} configurations x {spec['repeats']} repeats of {spec['profile']}{refine})"
+            )
             continue
         profile = load_profile(path)
         print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests)")
