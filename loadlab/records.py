@@ -74,6 +74,9 @@ class RequestRecord:
     output_tokens: int | None = None  # server-reported completion tokens
     cached_tokens: int | None = None  # server-reported prefix-cache hit
     num_retractions: int | None = None  # server-reported (native API only)
+    server_queue_ms: float | None = (
+        None  # meta_info.queue_time: the server's waiting queue (native, --enable-metrics)
+    )
     finish_reason: str | None = None
     prefix_group: int | None = None
     t_scheduled_wall: float | None = None  # open-loop load models: when the send was due
@@ -205,6 +208,7 @@ def arrow_types() -> dict[str, Any]:
         "output_tokens": pa.int64(),
         "cached_tokens": pa.int64(),
         "num_retractions": pa.int64(),
+        "server_queue_ms": pa.float64(),
         "finish_reason": pa.string(),
         "prefix_group": pa.int64(),
         "t_scheduled_wall": pa.float64(),

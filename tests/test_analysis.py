@@ -570,3 +570,16 @@ def test_sweep_html_renders_its_curves_and_slo_lines(tmp_path):
     shot = render_or_skip(page, tmp_path / "sweep.png")
     assert colour_pixels(shot, PLOT_BLUE).sum() > 1000  # the three curves
     assert colour_pixels(shot, (255, 0, 0), tolerance=0.1).sum() > 300  # the two SLO lines
+
+
+def test_server_queue_time_from_meta_info_stands_in_for_metrics(tmp_path):
+    records = [rec(i, t=i * 0.5, events=decoding(5, 100.0, 10.0)) for i in range(4)]
+    for r, queue in zip(records, (10.0, 20.0, 30.0, 100.0), strict=True):
+        r.server_queue_ms = queue
+    s = summarize(tmp_path, records)
+    assert s["mean_server_queue_ms"] == 40.0 and s["median_server_queue_ms"] == 25.0
+    # No /metrics scraped: the mean queue delay column comes from the events, and says so.
+    assert s["server"]["mean_queue_time_ms"] == 40.0 and s["server"]["queue_time_source"] == "meta_info"
+    md = (tmp_path / "summary.md").read_text()
+    assert "Mean queue delay (from meta_info.queue_time): 40.00 ms" in md
+    assert "| Server queue (meta_info) | 4 | 40.00 | 25.00 |" in md

@@ -108,6 +108,12 @@ def test_a_run_reports_the_servers_side(tmp_path, metrics):
     # 8 users against a server that runs at most 4: the limit binds and the rest queue.
     assert server["available"] and server["max_running"] == 4 and server["max_queued"] >= 1
     assert server["mean_queue_time_ms"] > 0 and 0 < server["peak_token_usage"] < 0.05
+    # Each request's own queue time (meta_info.queue_time) agrees with /metrics' histogram, within what
+    # the scrapes at the window's edges miss (counters are differenced between the first and last scrape).
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["samples"]["server_queue_ms"] == 96 and server["queue_time_source"] == "metrics"
+    assert summary["mean_server_queue_ms"] == pytest.approx(server["mean_queue_time_ms"], rel=0.1)
+    assert "| Server queue (meta_info) | 96 |" in md
     assert "Mean queue delay:" in md and "Running requests: mean" in md
 
 

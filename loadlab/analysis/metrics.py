@@ -435,6 +435,11 @@ def compute_summary(
         samples["ttft_from_scheduled_ms"] = (ok_ttft + queue)[has & np.isfinite(ok_ttft)]
         samples["e2e_from_scheduled_ms"] = (ok_e2e + queue)[has & np.isfinite(ok_e2e)]
 
+    # The server's waiting queue per request, where it says (meta_info.queue_time, SGLang --enable-metrics).
+    server_queue = _numeric(df, "server_queue_ms")[ok_idx]
+    if np.isfinite(server_queue).any():
+        samples["server_queue_ms"] = server_queue[np.isfinite(server_queue)]
+
     # The measured window: first measured send to last measured end, any outcome.
     end_wall = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
     m_send = t_send[measured & np.isfinite(t_send)]
@@ -540,6 +545,11 @@ def compute_summary(
     }
     for stem, arr in samples.items():
         summary.update(describe(arr, stem))
+    server = summary["server"]
+    server["queue_time_source"] = "metrics" if server.get("mean_queue_time_ms") is not None else None
+    if server["queue_time_source"] is None and "server_queue_ms" in samples:  # no /metrics: the events say
+        server["mean_queue_time_ms"] = summary["mean_server_queue_ms"]
+        server["queue_time_source"] = "meta_info"
     summary["slo"] = evaluate_slo(profile.get("slo"), samples, summary["failed"])
     if samples_out is not None:  # the per-request samples, for plots
         samples_out.update(samples)

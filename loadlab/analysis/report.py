@@ -66,8 +66,10 @@ _LATENCY_ROWS = (
     ("Client queue (send - due)", "client_queue_ms"),
     ("TTFT from due time", "ttft_from_scheduled_ms"),
     ("E2E from due time", "e2e_from_scheduled_ms"),
+    ("Server queue (meta_info)", "server_queue_ms"),
 )
-_SCHEDULED_ROWS = {"client_queue_ms", "ttft_from_scheduled_ms", "e2e_from_scheduled_ms"}  # open loop only
+# Shown only when there are samples: open loop (due times) and servers that report their queue time.
+_OPTIONAL_ROWS = {"client_queue_ms", "ttft_from_scheduled_ms", "e2e_from_scheduled_ms", "server_queue_ms"}
 _LATENCY_COLUMNS = (
     ("mean", "mean"),
     ("P50", "median"),
@@ -93,7 +95,11 @@ def _server_lines(server: dict[str, Any] | None) -> list[str]:
     lines = ["## Server (from /metrics during the measured window)", ""]
     if not server or not server.get("available"):
         why = "; ".join((server or {}).get("errors") or []) or "no metrics were scraped"
-        return lines + [f"- Unavailable: {why}.", ""]
+        queue = (server or {}).get("mean_queue_time_ms")
+        from_meta = (
+            [f"- Mean queue delay (from meta_info.queue_time): {_num(queue)} ms"] if queue is not None else []
+        )
+        return lines + [f"- Unavailable: {why}.", *from_meta, ""]
     usage = server.get("peak_token_usage")
     hit = server.get("cache_hit_rate")
     return lines + [
@@ -186,7 +192,7 @@ def render_markdown(s: dict[str, Any]) -> str:
     lines.append("|---|---:|" + "---:|" * len(_LATENCY_COLUMNS))
     samples = s.get("samples") or {}
     for label, stem in _LATENCY_ROWS:
-        if stem in _SCHEDULED_ROWS and not samples.get(stem):
+        if stem in _OPTIONAL_ROWS and not samples.get(stem):
             continue
         cells = [_num(s.get(f"{stat}_{stem}")) for _, stat in _LATENCY_COLUMNS]
         lines.append(f"| {label} | {samples.get(stem, 0)} | " + " | ".join(cells) + " |")

@@ -62,6 +62,7 @@ class Decoded:
     output_tokens: int | None = None
     cached_tokens: int | None = None
     num_retractions: int | None = None
+    server_queue_s: float | None = None  # meta_info.queue_time (SGLang with --enable-metrics)
     finish_reason: str | None = None
 
 
@@ -155,6 +156,9 @@ def _decode_native(event: dict, t: float, state: _State, out: Decoded) -> None:
     out.prompt_tokens = meta.get("prompt_tokens", out.prompt_tokens)
     out.cached_tokens = meta.get("cached_tokens", out.cached_tokens)
     out.num_retractions = meta.get("num_retractions", out.num_retractions)
+    queue = meta.get("queue_time")  # seconds in the waiting queue, once the request was scheduled
+    if isinstance(queue, int | float) and not isinstance(queue, bool):
+        out.server_queue_s = float(queue)
     finish = meta.get("finish_reason")
     if finish is not None:
         kind = finish.get("type") if isinstance(finish, dict) else str(finish)

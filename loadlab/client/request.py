@@ -52,6 +52,7 @@ def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id:
     rec.output_tokens = decoded.output_tokens
     rec.cached_tokens = decoded.cached_tokens
     rec.num_retractions = decoded.num_retractions
+    rec.server_queue_ms = None if decoded.server_queue_s is None else decoded.server_queue_s * 1000.0
     rec.finish_reason = decoded.finish_reason
     rec.outcome, rec.error = decoded.outcome, decoded.error
     if cancelled:
