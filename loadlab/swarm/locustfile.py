@@ -24,7 +24,7 @@ from loadlab.swarm.calibration import ClientMonitor
 from loadlab.swarm.distributed import Coordinator, WorkerAgent
 from loadlab.swarm.options import (
     EXIT_CLIENT_BOUND,
-    OPEN_LOOP_USERS,
+    OPEN_LOOP_MAX_USERS,
     add_loadlab_arguments,
     overrides_from_options,
 )
@@ -76,7 +76,8 @@ class _Session:
             raise
         # The profile's concurrency (closed loop; open loop's cap) applies unless Locust's -u was given.
         if opts.num_users is None:
-            opts.num_users = self.profile.load.concurrency or OPEN_LOOP_USERS
+            requests = self.profile.requests.warmup + self.profile.requests.measured
+            opts.num_users = self.profile.load.concurrency or min(requests, OPEN_LOOP_MAX_USERS)
         if opts.spawn_rate is None:
             opts.spawn_rate = max(1, opts.num_users)  # all users within about a second
         self.run: Run | None = None

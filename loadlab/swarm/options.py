@@ -12,7 +12,9 @@ EXIT_CLIENT_BOUND = 4
 # Probe lateness P99 above this flags the run. The probe is conservative (1.5-3x the measured P99 timing
 # error of runs well inside capacity on this VM; saturated runs read 10 ms and more): bench/RESULTS.md.
 DEFAULT_LIMIT_MS = 5.0
-OPEN_LOOP_USERS = 256  # open loop without a cap on requests in flight: Locust users available to send
+# Open loop without a cap: one Locust user per request of the run, up to this many (each user holds a
+# connection; past it requests wait in the client and the report shows that as client queue).
+OPEN_LOOP_MAX_USERS = 2048
 # Of one core, mean over the measured phase: on a shared machine a saturated process measured 0.67-0.92 and
 # well-inside ones 0.20-0.47 (bench/RESULTS.md, client cost).
 DEFAULT_LIMIT_CPU = 0.65
