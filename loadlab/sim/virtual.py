@@ -329,40 +329,40 @@ class VirtualRun:
         self.outcomes[rec.outcome] = self.outcomes.get(rec.outcome, 0) + 1
         self.records.append(rec)
 
-    def _record_failure(self, index, phase, t, due, spec, status: int, message: str) -> None:
-        self._write(
-            RequestRecord(
-                index=index,
-                phase=phase,
-                api=self.api,
-                worker_id=WORKER_ID,
-                user_id=self._slot_of.get(index, 0),
-                t_send_wall=self.epoch + t,
-                outcome=HTTP_ERROR,
-                error=f"HTTP {status}: {message}",
-                http_status=status,
-                e2e_ms=0.0,
-                input_len=spec.input_len,
-                max_new_tokens=spec.max_new_tokens,
-                prefix_group=spec.prefix_group,
-                t_scheduled_wall=None if due is None else self.epoch + due,
-            )
+    def _request_record(self, index, phase, t_send: float, due, spec, **fields) -> RequestRecord:
+        """A record with what every request has: who sent what, and when (virtual seconds -> wall)."""
+        return RequestRecord(
+            index=index,
+            phase=phase,
+            api=self.api,
+            worker_id=WORKER_ID,
+            user_id=self._slot_of.get(index, 0),
+            t_send_wall=self.epoch + t_send,
+            input_len=spec.input_len,
+            max_new_tokens=spec.max_new_tokens,
+            prefix_group=spec.prefix_group,
+            t_scheduled_wall=None if due is None else self.epoch + due,
+            **fields,
         )
+
+    def _record_failure(self, index, phase, t, due, spec, status: int, message: str) -> None:
+        self._write(self._request_record(index, phase, t, due, spec, outcome=HTTP_ERROR, http_status=status,
+                                         error=f"HTTP {status}: {message}", e2e_ms=0.0))  # fmt: skip
 
     def _record(self, r: Request) -> None:
         index, phase, t_send, due, spec = r.handle
         times = r.times if r.times is not None else []
         ms, toks = token_events(times, t_send, self.interval)
-        if r.forward_entry_time is not None and phase == MEASURE:
-            self.queue_delays_ms.append((r.forward_entry_time - t_send) * 1000.0)
+        queue_ms = None if r.forward_entry_time is None else (r.forward_entry_time - t_send) * 1000.0
+        if queue_ms is not None and phase == MEASURE:
+            self.queue_delays_ms.append(queue_ms)
         self._write(
-            RequestRecord(
-                index=index,
-                phase=phase,
-                api=self.api,
-                worker_id=WORKER_ID,
-                user_id=self._slot_of.get(index, 0),
-                t_send_wall=self.epoch + t_send,
+            self._request_record(
+                index,
+                phase,
+                t_send,
+                due,
+                spec,
                 outcome=OK,
                 http_status=200,
                 server_id=r.rid,
@@ -370,15 +370,12 @@ class VirtualRun:
                 e2e_ms=(r.finished_time - t_send) * 1000.0,
                 arrival_ms=ms,
                 arrival_tokens=toks,
-                input_len=spec.input_len,
-                max_new_tokens=spec.max_new_tokens,
                 prompt_tokens=r.prompt_len,
                 output_tokens=r.gen,
                 cached_tokens=r.cached_tokens,
                 num_retractions=r.num_retractions,
+                server_queue_ms=queue_ms,
                 finish_reason="length",
-                prefix_group=spec.prefix_group,
-                t_scheduled_wall=None if due is None else self.epoch + due,
             )
         )
 
