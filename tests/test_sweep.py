@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from loadlab.experiment.sweep import SweepError, choose, knee_index, load_sweep, refine_configs
+from loadlab.target import TargetError
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEP = REPO / "tests" / "sweeps" / "short.yaml"
@@ -182,10 +183,12 @@ def test_resume_keeps_or_refuses_a_refine_stage(tmp_path, monkeypatch):
     path = tmp_path / "s.yaml"
     calls, stop_at = [], []
 
-    def fake_run(spec, out, k, r, config, url, extra):
+    def fake_run(spec, out, k, r, config, url, extra, warm_up):
         if stop_at and len(calls) == stop_at[0]:
-            return None  # cut short, as Ctrl-C does
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the run stops early and exits non-zero
+            raise TargetError(f"run c{k:02d}-r{r} failed (exit status 1)")
         calls.append(config["load.concurrency"])
+        assert warm_up == (r == 0)  # one repeat each: every run is the first on its configuration
         run = out / "runs" / f"c{k:02d}-r{r}"
         run.mkdir(parents=True)
         thr = 2000 * (1 - math.exp(-config["load.concurrency"] / 6))
@@ -214,3 +217,30 @@ def test_resume_keeps_or_refuses_a_refine_stage(tmp_path, monkeypatch):
     path.write_text(path.read_text().replace("refine: 1", "refine: 2"))
     with pytest.raises(SweepError, match="refined with refine: 1"):
         sweep_mod.run_sweep(load_sweep(path), out)
+
+
+def test_a_configuration_whose_server_fails_is_reported_and_the_sweep_goes_on(tmp_path):
+    (tmp_path / "short-profile.yaml").write_text(
+        (REPO / "tests" / "sweeps" / "short-profile.yaml").read_text()
+    )
+    path = tmp_path / "s.yaml"
+    # -1: the server refuses to start (as a real one that runs out of memory at a large limit would die).
+    path.write_text(
+        "profile: short-profile.yaml\n"
+        'launch: [loadlab, sim, --port, "{port}", --gpu, h100-80gb, --max-running-requests, "{max_running_requests}"]\n'
+        "axes: {max_running_requests: [-1, 8]}\n"
+    )
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "loadlab", "sweep", str(path), "--out", str(out)], env=ENV,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert (
+        "configuration 1/2 (max_running_requests=-1): failed: the server exited with status 2" in done.stderr
+    )
+    state = json.loads((out / "sweep.json").read_text())
+    assert list(state["runs"]) == ["1/0"] and list(state["failed"]) == ["0"]
+    result = state["result"]
+    assert result["choice"] == "max_running_requests=8"
+    assert result["rejected"][0]["config"] == "max_running_requests=-1"
+    assert "failed: the server exited with status 2; see" in result["rejected"][0]["reasons"][0]
+    assert "rejected max_running_requests=-1: failed: the server exited" in (out / "sweep.md").read_text()

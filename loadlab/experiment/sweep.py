@@ -212,6 +212,8 @@ class Sweep:
                 raise SweepError(f"{out}: holds a sweep refined with refine: {self.refined_with}; use another "
                                  f"--out (or refine: {self.refined_with})")  # fmt: skip
             self.refined = None  # nothing refined has run yet: refine anew (or not at all)
+        # Configurations whose server or run failed (e.g. out of memory at a large limit): reason, by k.
+        self.failed: dict[str, str] = state.get("failed", {})
         self.interrupted: list[int] = []
         self.started, self.done_here = time.monotonic(), 0
 
@@ -242,7 +244,7 @@ class Sweep:
         configs = self.all_configs()
         total = len(configs) * self.spec["repeats"]
         complete = not self.interrupted and len(self.runs) == total
-        result = aggregate(self.spec, configs, self.runs)
+        result = aggregate(self.spec, configs, self.runs, self.failed)
         (self.out / SWEEP_MD).write_text(render(self.spec, result, complete=complete))
         (self.out / SWEEP_HTML).write_text(render_html(self.spec, result))
         state = json.loads(self.state_path.read_text())
@@ -253,6 +255,10 @@ class Sweep:
                   "to resume.", file=sys.stderr, flush=True)  # fmt: skip
             return 130
         print(self.out / SWEEP_MD, flush=True)
+        if self.failed:
+            print(f"loadlab sweep: {len(self.failed)} configuration(s) failed (see {SWEEP_MD}); the same command "
+                  "tries them again", file=sys.stderr, flush=True)  # fmt: skip
+            return 3
         return 0
 
     def _run_configs(self, first: int, stop: int, stage: str) -> None:
@@ -264,16 +270,17 @@ class Sweep:
             if not todo or self.interrupted:
                 continue
             where = f"loadlab sweep: {stage}configuration {k + 1}/{len(configs)} ({label(config)})"
-            server = url = None
-            if spec["launch"]:  # a fresh server per configuration
-                port = _free_port()
-                fill = {**{a: str(v) for a, v in config.items() if "." not in a}, "port": str(port)}
-                url = spec["url"].format(**fill)
-                argv = [a.format(**fill) for a in spec["launch"]]
-                server = LaunchedServer(argv, url, spec["ready_timeout_s"], self.out / f"server-{k}.log")
-                print(f"{where}: starting the server", file=sys.stderr, flush=True)
-                server.start()
+            server = None
             try:
+                url = None
+                if spec["launch"]:  # a fresh server per configuration
+                    port = _free_port()
+                    fill = {**{a: str(v) for a, v in config.items() if "." not in a}, "port": str(port)}
+                    url = spec["url"].format(**fill)
+                    argv = [a.format(**fill) for a in spec["launch"]]
+                    server = LaunchedServer(argv, url, spec["ready_timeout_s"], self.out / f"server-{k}.log")
+                    print(f"{where}: starting the server", file=sys.stderr, flush=True)
+                    server.start()
                 for r in todo:
                     if self.interrupted:
                         break
@@ -284,26 +291,40 @@ class Sweep:
                             f", about {(time.monotonic() - self.started) / self.done_here * left:.0f} s to go"
                         )
                     print(f"{where}, repeat {r + 1}/{repeats}{eta}", file=sys.stderr, flush=True)
-                    run_dir = _one_run(spec, self.out, k, r, config, url, self.extra)
-                    if run_dir is None:  # cut short by Ctrl-C: not a finished run
-                        self.interrupted.append(1)
-                        break
+                    # The first run on a fresh server warms it up (also when a resumed sweep starts a
+                    # configuration at a later repeat); the next ones find it warm.
+                    warm_up = r == todo[0]
+                    run_dir = _one_run(spec, self.out, k, r, config, url, self.extra, warm_up)
                     self.runs[f"{k}/{r}"] = str(run_dir)
                     self.done_here += 1
+                    if server is not None and server.proc.poll() is not None:
+                        raise TargetError(f"the server exited with status {server.proc.returncode} during "
+                                          f"the run; see {server.log_path}")  # fmt: skip
                     self._save()
+                self.failed.pop(str(k), None)
+            except TargetError as e:
+                if self.interrupted:  # a run cut short by Ctrl-C is not a failure, nor a finished run
+                    continue
+                # A configuration that fails (a server that does not start or dies: out of memory at a large
+                # limit...) is reported in the table and the sweep goes on with the next one.
+                self.failed[str(k)] = str(e)
+                print(f"{where}: failed: {e}; going on", file=sys.stderr, flush=True)
             finally:
                 if server is not None:
                     server.stop()
+                self._save()
 
     def _save(self) -> None:
         tmp = self.state_path.with_suffix(".tmp")
         state = {"spec": self.spec, "configs": self.configs, "refined": self.refined,
-                 "refined_with": self.refined_with, "runs": self.runs}  # fmt: skip
+                 "refined_with": self.refined_with, "runs": self.runs, "failed": self.failed}  # fmt: skip
         tmp.write_text(json.dumps(state, indent=2, default=str))
         os.replace(tmp, self.state_path)
 
 
-def _one_run(spec, out: Path, k: int, r: int, config: dict, url: str | None, extra: list[str]) -> Path | None:
+def _one_run(
+    spec, out: Path, k: int, r: int, config: dict, url: str | None, extra: list[str], warm_up: bool
+) -> Path:
     name = f"c{k:02d}-r{r}"
     cmd = [
         sys.executable,
@@ -325,15 +346,13 @@ def _one_run(spec, out: Path, k: int, r: int, config: dict, url: str | None, ext
             cmd += ["--set", f"{axis}={value}"]
     for key, value in spec["slo"].items():
         cmd += ["--set", f"slo.{key}={value}"]
-    if r > 0:
-        cmd += ["--warmup-requests", "0"]  # the server is warm: the first repeat warmed it
+    if not warm_up:
+        cmd += ["--warmup-requests", "0"]  # the server is warm: the first run on it warmed it
     cmd += extra
     # Ctrl-C reaches the run too (same process group): it records what was in flight and exits 1.
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        if done.returncode in (1, 130) or done.returncode < 0:  # cut short (Ctrl-C), even while starting
-            return None
+    if done.returncode != 0 or not lines:  # the caller tells a Ctrl-C from a failure
         raise TargetError(f"run {name} failed (exit status {done.returncode})")
     return Path(lines[-1])
 
@@ -346,7 +365,8 @@ def _get(d: dict, path: tuple[str, ...]) -> Any:
     return d
 
 
-def aggregate(spec: dict[str, Any], configs: list[dict], runs: dict[str, str]) -> dict[str, Any]:
+def aggregate(spec: dict[str, Any], configs: list[dict], runs: dict[str, str],
+              failed: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     coarse = configurations(spec["axes"])
     rows = []
     for k, config in enumerate(configs):
@@ -365,6 +385,7 @@ def aggregate(spec: dict[str, Any], configs: list[dict], runs: dict[str, str]) -
             }
         row["failed"] = sum(int(s.get("failed") or 0) for s in summaries)
         row["refined"] = config not in coarse
+        row["error"] = (failed or {}).get(str(k))
         rows.append(row)
     if any(row["refined"] for row in rows):  # one numeric axis: refined values go between the coarse ones
         rows.sort(key=lambda row: next(iter(row["config"].values())))
@@ -434,7 +455,12 @@ def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
     slo = spec.get("slo") or {}
     limits = {"TTFT P95 ms": slo.get("ttft_p95_ms"), "TPOT P95 ms": slo.get("tpot_p95_ms")}
     rejected, passing = [], []
-    for r in done:
+    for r in rows:
+        if r.get("error"):  # the server or a run failed: the reason is the finding (e.g. out of memory)
+            rejected.append((r, [f"failed: {r['error']}"]))
+            continue
+        if not r["repeats"]:
+            continue
         reasons = []
         for column, limit in limits.items():
             value = _median(r, column)
