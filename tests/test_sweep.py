@@ -244,3 +244,22 @@ def test_a_configuration_whose_server_fails_is_reported_and_the_sweep_goes_on(tm
     assert result["rejected"][0]["config"] == "max_running_requests=-1"
     assert "failed: the server exited with status 2; see" in result["rejected"][0]["reasons"][0]
     assert "rejected max_running_requests=-1: failed: the server exited" in (out / "sweep.md").read_text()
+
+
+def test_the_choice_keeps_the_smaller_configuration_when_throughputs_tie():
+    def row(limit, thr, lo, hi):
+        values = {"output tok/s": (thr, lo, hi), "TTFT P95 ms": (900, 900, 900), "TPOT P95 ms": (20, 20, 20),
+                  "max running": (32, 32, 32), "retractions": (0, 0, 0)}  # fmt: skip
+        return {"config": {"max_running_requests": limit}, "repeats": 3, "failed": 0,
+                "values": {k: {"median": m, "min": a, "max": b} for k, (m, a, b) in values.items()}}  # fmt: skip
+
+    spec = {"slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 100}}
+    # 32 in flight against larger limits: the same throughput up to noise; the best median is 128's.
+    noise = [row(32, 1340, 1310, 1352), row(64, 1338, 1320, 1349), row(128, 1351, 1345, 1360)]
+    result = choose(spec, noise)
+    assert result["choice"] == "max_running_requests=32"
+    assert "ties with max_running_requests=128" in result["choice_note"]
+    # A real difference (ranges apart, > 1%) is not a tie.
+    apart = [row(32, 1300, 1290, 1310), row(64, 1400, 1390, 1410)]
+    result = choose(spec, apart)
+    assert result["choice"] == "max_running_requests=64" and result["choice_note"] is None

@@ -34,6 +34,7 @@ SWEEP_STATE = "sweep.json"
 SWEEP_MD = "sweep.md"
 SWEEP_HTML = "sweep.html"
 KNEE_GAIN = 0.05  # the knee: the first configuration after which the next adds less than 5% throughput
+TIE_GAIN = 0.01  # throughputs this close are a tie for the SLO-first choice (the earlier one is kept)
 
 # The seed's table: (column, summary path, scale, digits)
 COLUMNS = (
@@ -447,6 +448,31 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+def _highest_throughput(rows: list[dict]) -> tuple[dict | None, str | None]:
+    """The row with the highest median throughput; but where earlier rows (smaller limits or loads) tie
+    with it, the first of them: a tie is within TIE_GAIN or within the repeats' spread (ranges overlap).
+    With the limit unable to bind (32 in flight against 32..512) the rows differ by noise only, and the
+    smaller limit is the honest answer, not whichever won the noise."""
+    rows = [r for r in rows if _median(r, "output tok/s") is not None]
+    if not rows:
+        return None, None
+    best = max(rows, key=lambda r: _median(r, "output tok/s"))
+    top, low = _median(best, "output tok/s"), best["values"]["output tok/s"]["min"]
+
+    def ties(r: dict) -> bool:
+        high = r["values"]["output tok/s"]["max"]
+        return _median(r, "output tok/s") >= top * (1 - TIE_GAIN) or (
+            high is not None and low is not None and r["repeats"] > 1 and high >= low
+        )
+
+    first = next(r for r in rows if ties(r))
+    if first is best:
+        return best, None
+    return first, (f"{label(first['config'])} ties with {label(best['config'])} on throughput ("
+                   f"{_median(first, 'output tok/s'):.0f} vs {top:.0f} tok/s, within {TIE_GAIN:.0%} or the "
+                   "repeats' spread): the earlier configuration is kept")  # fmt: skip
+
+
 def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
     """The knee along the sweep's order and the SLO-first choice, with reasons and findings."""
     done = [r for r in rows if r["repeats"]]
@@ -470,7 +496,7 @@ def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
         if r["failed"]:
             reasons.append(f"{r['failed']} failed requests")
         (rejected if reasons else passing).append((r, reasons))
-    choice = max(passing, key=lambda p: _median(p[0], "output tok/s") or 0)[0] if passing else None
+    choice, choice_note = _highest_throughput([r for r, _ in passing])
     findings = []
     server_axes = [a for a in (done[0]["config"] if done else {}) if "." not in a]
     for axis in server_axes:
@@ -493,6 +519,7 @@ def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
     return {
         "knee": knee,
         "choice": label(choice["config"]) if choice else None,
+        "choice_note": choice_note,
         "slo": slo,
         "rejected": [{"config": label(r["config"]), "reasons": why} for r, why in rejected],
         "findings": findings,
@@ -590,6 +617,8 @@ def render(spec: dict[str, Any], result: dict[str, Any], complete: bool) -> str:
     lines.append(
         f"- SLO-first choice (highest throughput meeting {slo_text}): {result['choice'] or 'none meets it'}"
     )
+    if result.get("choice_note"):
+        lines.append(f"  - {result['choice_note']}")
     refined = [
         str(next(iter(r["config"].values()))) for r in result["rows"] if r.get("refined") and r["repeats"]
     ]
