@@ -259,6 +259,10 @@ def test_the_choice_keeps_the_smaller_configuration_when_throughputs_tie():
     result = choose(spec, noise)
     assert result["choice"] == "max_running_requests=32"
     assert "ties with max_running_requests=128" in result["choice_note"]
+    # Runs the load generator flagged as client-bound are called out with their error bound.
+    noise[1].update(client_bound=2, error_bound_ms=7.5)
+    finding = choose(spec, noise)["findings"][-1]
+    assert finding.startswith("2 of 9 runs were client-bound") and "7.5 ms late" in finding
     # A real difference (ranges apart, > 1%) is not a tie.
     apart = [row(32, 1300, 1290, 1310), row(64, 1400, 1390, 1410)]
     result = choose(spec, apart)

@@ -385,6 +385,11 @@ def aggregate(spec: dict[str, Any], configs: list[dict], runs: dict[str, str],
                 "max": max(values) if values else None,
             }
         row["failed"] = sum(int(s.get("failed") or 0) for s in summaries)
+        # The load generator's own timing quality: runs it flagged, and its worst error bound (P99, ms).
+        clients = [s.get("client") or {} for s in summaries]
+        row["client_bound"] = sum(bool(c.get("client_bound")) for c in clients)
+        bounds = [c["error_bound_ms"] for c in clients if isinstance(c.get("error_bound_ms"), int | float)]
+        row["error_bound_ms"] = max(bounds) if bounds else None
         row["refined"] = config not in coarse
         row["error"] = (failed or {}).get(str(k))
         rows.append(row)
@@ -511,6 +516,14 @@ def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
                             f"{peak:.0f} requests were ever running, below the limit")  # fmt: skip
     if k is not None and len(done) > 1 and k == len(done) - 1:
         findings.append(f"throughput still grew up to {knee}: the knee may lie beyond the sweep")
+    flagged = [r for r in done if r.get("client_bound")]
+    if flagged:
+        runs = sum(r["client_bound"] for r in flagged)
+        worst = max((r["error_bound_ms"] or 0) for r in flagged)
+        findings.append(f"{runs} of {sum(r['repeats'] for r in done)} runs were client-bound (the load generator "
+                        f"handled I/O up to {worst:.1f} ms late at P99, in "
+                        f"{', '.join(label(r['config']) for r in flagged)}): their latencies carry that much of "
+                        "the client's own delay; rerun on a quieter machine or with more workers")  # fmt: skip
     first_retract = next((r for r in done if (_median(r, "retractions") or 0) > 0), None)
     if first_retract is not None:
         findings.append(
