@@ -87,6 +87,14 @@ class Load(_Strict):
     rate: float | None = Field(None, gt=0, description="open loop: requests per second")
     arrival: Literal["poisson", "constant"] = "poisson"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _open_loop_is_uncapped_by_default(cls, data: Any) -> Any:
+        # The default of 8 is the closed loop's; an open loop has no cap unless the profile sets one.
+        if isinstance(data, dict) and data.get("model") == "open" and "concurrency" not in data:
+            return {**data, "concurrency": None}
+        return data
+
     @model_validator(mode="after")
     def _model_fields(self):
         if self.model == "open" and self.rate is None:

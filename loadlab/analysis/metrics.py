@@ -320,6 +320,8 @@ def describe_load(manifest: dict[str, Any]) -> tuple[str, int | None, float | No
             text += f", {float(rate):g} req/s" + (f" ({arrival})" if arrival else "")
         if concurrency is not None:
             text += f", at most {concurrency} in flight"
+        elif model == "open":
+            text += ", no cap on requests in flight"
         return text, _int_or_none(concurrency), _float_or_none(rate)
     return "unknown", _int_or_none(concurrency), _float_or_none(rate)
 

@@ -12,6 +12,7 @@ reason for every rejected configuration, plain-language findings, written to `sw
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -27,7 +28,9 @@ from typing import Any
 
 import yaml
 
-from loadlab.profile import ProfileError, load_profile
+from loadlab.cliargs import EXIT_BAD_INPUT
+from loadlab.profile import ProfileError, load_profile, parse_set_option
+from loadlab.swarm.options import EXIT_CLIENT_BOUND
 from loadlab.target import TargetError, die_with_parent, probe
 
 SWEEP_STATE = "sweep.json"
@@ -116,6 +119,13 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     if not base.exists() and Path(data["profile"]).exists():
         base = Path(data["profile"])
     profile = load_profile(base)  # a bad base profile fails here, with its own file:line message
+    # Every configuration's overrides (set: and the client axes) checked now, not after a server started.
+    sets = dict(parse_set_option(str(item)) for item in data.get("set") or [])
+    for config in configurations({a: v for a, v in axes.items() if "." in a}):
+        try:
+            load_profile(base, {**sets, **config})
+        except ProfileError as e:
+            raise SweepError(f"{path}: set/axes {label({**sets, **config})}: {e}") from None
     return {
         "name": data.get("name") or path.stem,
         "file": str(path),
@@ -154,7 +164,7 @@ class LaunchedServer:
         self.argv, self.url, self.ready_timeout_s, self.log_path = argv, url, ready_timeout_s, log_path
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, should_stop=lambda: False) -> None:
         argv = [sys.executable, "-m", "loadlab", *self.argv[1:]] if self.argv[0] == "loadlab" else self.argv
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -165,6 +175,9 @@ class LaunchedServer:
                 raise TargetError(
                     f"the server exited with status {self.proc.returncode}; see {self.log_path}"
                 )
+            if should_stop():  # Ctrl-C while a model loads (minutes for real SGLang)
+                self.stop()
+                raise TargetError("interrupted while the server was starting")
             try:
                 probe(self.url, need_model=False, wait_s=0)
                 return
@@ -177,17 +190,24 @@ class LaunchedServer:
                 time.sleep(0.5)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """Stops the whole process group, also when its leader already died (an SGLang launcher killed for
+        memory can leave scheduler processes holding the GPU and the port)."""
+        if self.proc is None:
+            return
+        try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left of the group
+        self.proc.wait()
 
 
 def run_sweep(spec: dict[str, Any], out: Path, extra_run_args: list[str] | None = None) -> int:
-    """Runs (or resumes) the sweep into ``out``; returns 0 when complete, 130 when interrupted."""
+    """Runs (or resumes) the sweep into ``out``; returns 0 when complete, 130 when interrupted, 3 when a
+    configuration failed (its server did not start or died, or a run failed)."""
     return Sweep(spec, out, extra_run_args or []).run()
 
 
@@ -213,6 +233,7 @@ class Sweep:
                 raise SweepError(f"{out}: holds a sweep refined with refine: {self.refined_with}; use another "
                                  f"--out (or refine: {self.refined_with})")  # fmt: skip
             self.refined = None  # nothing refined has run yet: refine anew (or not at all)
+            self.failed = {k: why for k, why in self.failed.items() if int(k) < len(self.configs)}
         # Configurations whose server or run failed (e.g. out of memory at a large limit): reason, by k.
         self.failed: dict[str, str] = state.get("failed", {})
         self.interrupted: list[int] = []
@@ -225,8 +246,8 @@ class Sweep:
         previous = signal.signal(signal.SIGINT, lambda *_: self.interrupted.append(1))
         try:
             self._run_configs(0, len(self.configs), "")
-            coarse_done = all(f"{k}/{r}" in self.runs for k in range(len(self.configs))
-                              for r in range(self.spec["repeats"]))  # fmt: skip
+            coarse_done = all(str(k) in self.failed or all(f"{k}/{r}" in self.runs for r in range(self.spec["repeats"]))
+                              for k in range(len(self.configs)))  # fmt: skip
             if self.spec["refine"] and coarse_done and not self.interrupted:
                 if self.refined is None:
                     coarse = aggregate(self.spec, self.configs, self.runs)
@@ -281,7 +302,7 @@ class Sweep:
                     argv = [a.format(**fill) for a in spec["launch"]]
                     server = LaunchedServer(argv, url, spec["ready_timeout_s"], self.out / f"server-{k}.log")
                     print(f"{where}: starting the server", file=sys.stderr, flush=True)
-                    server.start()
+                    server.start(should_stop=lambda: bool(self.interrupted))
                 for r in todo:
                     if self.interrupted:
                         break
@@ -295,17 +316,24 @@ class Sweep:
                     # The first run on a fresh server warms it up (also when a resumed sweep starts a
                     # configuration at a later repeat); the next ones find it warm.
                     warm_up = r == todo[0]
-                    run_dir = _one_run(spec, self.out, k, r, config, url, self.extra, warm_up)
+                    try:
+                        run_dir = _one_run(spec, self.out, k, r, config, url, self.extra, warm_up)
+                    finally:
+                        died = server is not None and server.proc.poll() is not None
+                    if died:  # the run measured a dying server: not a run of this configuration
+                        raise TargetError(f"the server exited with status {server.proc.returncode} during "
+                                          f"run {run_dir.name}; see {server.log_path}")  # fmt: skip
                     self.runs[f"{k}/{r}"] = str(run_dir)
                     self.done_here += 1
-                    if server is not None and server.proc.poll() is not None:
-                        raise TargetError(f"the server exited with status {server.proc.returncode} during "
-                                          f"the run; see {server.log_path}")  # fmt: skip
                     self._save()
-                self.failed.pop(str(k), None)
+                else:
+                    self.failed.pop(str(k), None)  # every repeat ran: an earlier failure is over
             except TargetError as e:
                 if self.interrupted:  # a run cut short by Ctrl-C is not a failure, nor a finished run
                     continue
+                if server is not None and server.proc.poll() is not None and "server exited" not in str(e):
+                    e = TargetError(f"{e}; the server exited with status {server.proc.returncode}, see "
+                                    f"{server.log_path}")  # fmt: skip
                 # A configuration that fails (a server that does not start or dies: out of memory at a large
                 # limit...) is reported in the table and the sweep goes on with the next one.
                 self.failed[str(k)] = str(e)
@@ -353,6 +381,10 @@ def _one_run(
     # Ctrl-C reaches the run too (same process group): it records what was in flight and exits 1.
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     lines = done.stdout.strip().splitlines()
+    if done.returncode == EXIT_CLIENT_BOUND and lines:  # --strict: a finished run, flagged (a finding)
+        return Path(lines[-1])
+    if done.returncode == EXIT_BAD_INPUT:  # the same for every configuration: stop here
+        raise SweepError(f"run {name}: loadlab run refused its input (exit status 2; the message is above)")
     if done.returncode != 0 or not lines:  # the caller tells a Ctrl-C from a failure
         raise TargetError(f"run {name} failed (exit status {done.returncode})")
     return Path(lines[-1])
@@ -465,10 +497,13 @@ def _highest_throughput(rows: list[dict]) -> tuple[dict | None, str | None]:
     top, low = _median(best, "output tok/s"), best["values"]["output tok/s"]["min"]
 
     def ties(r: dict) -> bool:
-        high = r["values"]["output tok/s"]["max"]
-        return _median(r, "output tok/s") >= top * (1 - TIE_GAIN) or (
-            high is not None and low is not None and r["repeats"] > 1 and high >= low
-        )
+        median, high = _median(r, "output tok/s"), r["values"]["output tok/s"]["max"]
+        if median >= top * (1 - TIE_GAIN):
+            return True
+        # Within the repeats' spread: each median inside the other's range, and never more than the knee's
+        # gain apart (one outlier repeat must not make a slow configuration a tie).
+        spread = high is not None and low is not None and median >= low and top <= high
+        return spread and r["repeats"] > 1 and best["repeats"] > 1 and median >= top * (1 - KNEE_GAIN)
 
     first = next(r for r in rows if ties(r))
     if first is best:
@@ -514,16 +549,17 @@ def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
             peak = max(_median(r, "max running") or 0 for r in done)
             findings.append(f"{axis} at {', '.join(str(v) for v in never_bound)} never bound: at most "
                             f"{peak:.0f} requests were ever running, below the limit")  # fmt: skip
-    if k is not None and len(done) > 1 and k == len(done) - 1:
+    if k is not None and len(done) > 1 and k == len(done) - 1 and not any(r.get("error") for r in rows):
         findings.append(f"throughput still grew up to {knee}: the knee may lie beyond the sweep")
     flagged = [r for r in done if r.get("client_bound")]
     if flagged:
         runs = sum(r["client_bound"] for r in flagged)
-        worst = max((r["error_bound_ms"] or 0) for r in flagged)
-        findings.append(f"{runs} of {sum(r['repeats'] for r in done)} runs were client-bound (the load generator "
-                        f"handled I/O up to {worst:.1f} ms late at P99, in "
-                        f"{', '.join(label(r['config']) for r in flagged)}): their latencies carry that much of "
-                        "the client's own delay; rerun on a quieter machine or with more workers")  # fmt: skip
+        bounds = [r["error_bound_ms"] for r in flagged if r.get("error_bound_ms") is not None]
+        worst = f"timing error bound up to {max(bounds):.1f} ms at P99, " if bounds else ""
+        findings.append(f"{runs} of {sum(r['repeats'] for r in done)} runs were client-bound ({worst}in "
+                        f"{', '.join(label(r['config']) for r in flagged)}): their latencies include the load "
+                        "generator's own delay (summary.md says why); rerun on a quieter machine or with more "
+                        "workers")  # fmt: skip
     first_retract = next((r for r in done if (_median(r, "retractions") or 0) > 0), None)
     if first_retract is not None:
         findings.append(
@@ -602,7 +638,13 @@ def render_html(spec: dict[str, Any], result: dict[str, Any]) -> str:
 
 def render(spec: dict[str, Any], result: dict[str, Any], complete: bool) -> str:
     lines = [f"# loadlab sweep: {spec['name']}", ""]
-    if not complete:
+    failed = [label(r["config"]) for r in result["rows"] if r.get("error")]
+    if failed:
+        lines += [
+            f"> **Failed**: {', '.join(failed)} (reasons below). Run the same command to try again.",
+            "",
+        ]
+    elif not complete:
         lines += ["> **Incomplete**: interrupted; the table holds the finished runs. Run the same command to "
                   "resume.", ""]  # fmt: skip
     lines += [f"Profile `{spec['profile']}`, {spec['repeats']} repeat(s) per configuration; each cell is the "

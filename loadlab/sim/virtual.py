@@ -225,10 +225,7 @@ class VirtualRun:
         self.open_loop = load.model == "open"
         self.rate = load.rate
         self.arrival = load.arrival
-        if self.open_loop:
-            self.cap = load.concurrency if "concurrency" in load.model_fields_set else None
-        else:
-            self.cap = load.concurrency
+        self.cap = load.concurrency  # None: an open loop without a cap
         self.client = _Client(profile.requests.warmup, profile.requests.measured)
         self.rng = random.Random(f"loadlab-virtual-arrivals-{profile.seed}")
         self.records: list[RequestRecord] = []
@@ -461,10 +458,9 @@ def write_records(run_dir: Path, records: list[RequestRecord]) -> None:
 def describe_load(profile: Profile) -> dict[str, Any]:
     load = profile.load
     if load.model == "open":
-        cap = load.concurrency if "concurrency" in load.model_fields_set else None
-        text = f"open loop, {load.rate:g} req/s ({load.arrival})"
-        if cap is not None:
-            text += f", at most {cap} in flight"
+        cap = load.concurrency
+        text = f"open loop, {load.rate:g} req/s ({load.arrival}), "
+        text += f"at most {cap} in flight" if cap is not None else "no cap on requests in flight"
         return {"model": "open", "concurrency": cap, "rate": load.rate, "arrival": load.arrival,
                 "description": text + " (virtual time)"}  # fmt: skip
     return {"model": "closed", "concurrency": load.concurrency, "rate": None,

@@ -224,12 +224,16 @@ def describe_applied_load(profile: Profile, users: int) -> dict[str, Any]:
     load = profile.load
     if load.model == "closed":
         return {"model": "closed", "concurrency": users, "description": f"closed loop, {users} in flight"}
+    # No cap asked and a user for every request: nothing in the client limits requests in flight.
+    uncapped = load.concurrency is None and users >= profile.requests.warmup + profile.requests.measured
+    cap = "no cap on requests in flight" if uncapped else f"at most {users} in flight"
     return {
         "model": "open",
         "rate": load.rate,
         "arrival": load.arrival,
-        "concurrency": users,
-        "description": f"open loop, {load.rate:g} req/s ({load.arrival}), at most {users} in flight",
+        "concurrency": None if uncapped else users,
+        "users": users,
+        "description": f"open loop, {load.rate:g} req/s ({load.arrival}), {cap}",
     }
 
 
