@@ -103,7 +103,8 @@ def _server_lines(server: dict[str, Any] | None) -> list[str]:
     usage = server.get("peak_token_usage")
     hit = server.get("cache_hit_rate")
     return lines + [
-        f"- Mean queue delay: {_num(server.get('mean_queue_time_ms'))} ms",
+        f"- Mean queue delay: {_num(server.get('mean_queue_time_ms'))} ms"
+        + (" (from meta_info.queue_time)" if server.get("queue_time_source") == "meta_info" else ""),
         f"- Peak KV usage (token_usage): {_num(usage * 100 if usage is not None else None, 1)}%",
         f"- Running requests: mean {_num(server.get('mean_running'))}, max {_num(server.get('max_running'), 0)}",
         f"- Queued requests: mean {_num(server.get('mean_queued'))}, max {_num(server.get('max_queued'), 0)}",
