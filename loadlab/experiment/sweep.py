@@ -551,6 +551,11 @@ def choose(spec: dict[str, Any], rows: list[dict]) -> dict[str, Any]:
                             f"{peak:.0f} requests were ever running, below the limit")  # fmt: skip
     if k is not None and len(done) > 1 and k == len(done) - 1 and not any(r.get("error") for r in rows):
         findings.append(f"throughput still grew up to {knee}: the knee may lie beyond the sweep")
+    failing = [r for r in done if r["failed"]]
+    if failing:
+        findings.append(f"requests failed in {', '.join(label(r['config']) for r in failing)} (kinds in each run's "
+                        "summary.md; e.g. timeouts while queued): the latency columns cover completed requests "
+                        "only, so there they read low")  # fmt: skip
     flagged = [r for r in done if r.get("client_bound")]
     if flagged:
         runs = sum(r["client_bound"] for r in flagged)
