@@ -14,7 +14,9 @@ users. Messages (Locust's custom messages over its ZMQ connection, ordered per w
 
 A ticket is leased to a worker only when one of its users is waiting for it, so the tickets a worker holds
 are exactly its requests in flight (or one just handed over): when a worker goes missing, the master counts
-those as lost in flight and the run goes on. Every record is also written to the worker's spill file as it
+those as lost in flight and the run goes on. In open loop a ticket is handed over LEASE_AHEAD_S before it is
+due, not earlier, so a worker that dies loses its requests in flight and at most that much of the arrivals
+still to come (its users would otherwise hold tickets due minutes later). Every record is also written to the worker's spill file as it
 completes; the master merges spill files it can reach when it finalizes, and ``loadlab report`` merges them
 into a run directory whose master died.
 """
@@ -54,6 +56,8 @@ from loadlab.workload import build_workload
 from loadlab.workload.text import Renderer
 
 log = logging.getLogger("loadlab")
+# Open loop: how long before its due time a ticket goes to a worker (covers the hop and clock offsets).
+LEASE_AHEAD_S = 0.5
 
 DRAIN_TIMEOUT_S = 30.0  # how long the master waits for workers to send their last records
 MASTER_LOST_S = 10.0  # a worker with no heartbeat from its master for this long stops and exits
@@ -162,7 +166,19 @@ class Coordinator:
         # No new leases once the run is draining: a ticket could reach a worker after its last batch.
         active = run is not None and not run.finalized and not self.drain_done
         ticket = run.tickets.take() if active else None  # may wait at the warm-up barrier
-        if ticket is not None and self.drain_done:
+        if ticket is not None and ticket.due is not None and ticket.due - LEASE_AHEAD_S > time.time():
+            gevent.spawn(
+                self._deliver_when_due, worker, request_id, ticket
+            )  # the message handler must not wait
+            return
+        self._deliver(worker, request_id, ticket)
+
+    def _deliver_when_due(self, worker: str, request_id: int, ticket: Ticket) -> None:
+        gevent.sleep(max(0.0, ticket.due - LEASE_AHEAD_S - time.time()))
+        self._deliver(worker, request_id, ticket)
+
+    def _deliver(self, worker: str, request_id: int, ticket: Ticket | None) -> None:
+        if ticket is not None and (self.drain_done or self.run is None or self.run.finalized):
             ticket = None
         if ticket is not None:  # leased even to a missing worker: lost if it stays missing, kept if it heals
             self.leases[worker][ticket.index] = ticket.phase
