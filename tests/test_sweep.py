@@ -223,6 +223,22 @@ def test_resume_keeps_or_refuses_a_refine_stage(tmp_path, monkeypatch):
     with pytest.raises(SweepError, match="refined with refine: 1"):
         sweep_mod.run_sweep(load_sweep(path), out)
 
+    # Refined values chosen but none run yet (and a stale failure among them): a changed refine starts over.
+    out2 = tmp_path / "out2"
+    path.write_text(path.read_text().replace("refine: 2", "refine: 1"))
+    calls.clear()
+    stop_at.append(6)  # stopped right after the coarse stage
+    assert sweep_mod.run_sweep(load_sweep(path), out2) == 130
+    state = json.loads((out2 / "sweep.json").read_text())
+    assert state["refined"] and state["refined_with"] == 1 and len(state["runs"]) == 6
+    state["failed"] = {"6": "the server exited with status 1"}
+    (out2 / "sweep.json").write_text(json.dumps(state))
+    stop_at.clear()
+    path.write_text(path.read_text().replace("refine: 1", "refine: 0"))
+    assert sweep_mod.run_sweep(load_sweep(path), out2) == 0
+    final = json.loads((out2 / "sweep.json").read_text())
+    assert final["refined"] is None and final["failed"] == {} and len(final["runs"]) == 6
+
 
 def test_a_configuration_whose_server_fails_is_reported_and_the_sweep_goes_on(tmp_path):
     (tmp_path / "short-profile.yaml").write_text(

@@ -225,6 +225,8 @@ class Sweep:
         if state and state.get("configs") != self.configs:
             raise SweepError(f"{out}: holds a different sweep (axes changed); use another --out")
         self.runs: dict[str, str] = state.get("runs", {})  # "k/r" -> run dir, finished runs only
+        # Configurations whose server or run failed (e.g. out of memory at a large limit): reason, by k.
+        self.failed: dict[str, str] = state.get("failed", {})
         self.refined: list[dict] | None = state.get("refined")
         self.refined_with = state.get("refined_with")
         if self.refined is not None and self.refined_with != spec["refine"]:
@@ -234,8 +236,6 @@ class Sweep:
                                  f"--out (or refine: {self.refined_with})")  # fmt: skip
             self.refined = None  # nothing refined has run yet: refine anew (or not at all)
             self.failed = {k: why for k, why in self.failed.items() if int(k) < len(self.configs)}
-        # Configurations whose server or run failed (e.g. out of memory at a large limit): reason, by k.
-        self.failed: dict[str, str] = state.get("failed", {})
         self.interrupted: list[int] = []
         self.started, self.done_here = time.monotonic(), 0
 
@@ -316,11 +316,8 @@ class Sweep:
                     # The first run on a fresh server warms it up (also when a resumed sweep starts a
                     # configuration at a later repeat); the next ones find it warm.
                     warm_up = r == todo[0]
-                    try:
-                        run_dir = _one_run(spec, self.out, k, r, config, url, self.extra, warm_up)
-                    finally:
-                        died = server is not None and server.proc.poll() is not None
-                    if died:  # the run measured a dying server: not a run of this configuration
+                    run_dir = _one_run(spec, self.out, k, r, config, url, self.extra, warm_up)
+                    if server is not None and server.proc.poll() is not None:  # it measured a dying server
                         raise TargetError(f"the server exited with status {server.proc.returncode} during "
                                           f"run {run_dir.name}; see {server.log_path}")  # fmt: skip
                     self.runs[f"{k}/{r}"] = str(run_dir)
