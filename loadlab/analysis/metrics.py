@@ -442,6 +442,9 @@ def compute_summary(
     if np.isfinite(server_queue).any():
         samples["server_queue_ms"] = server_queue[np.isfinite(server_queue)]
 
+    server_rows = server_rows or []
+    margin = scrape_interval(server_rows)  # scrapes one interval either side of the window belong to it
+
     # The measured window: first measured send to last measured end, any outcome.
     end_wall = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
     m_send = t_send[measured & np.isfinite(t_send)]
@@ -520,9 +523,9 @@ def compute_summary(
         "client": _client(manifest),
         # Scrapes one interval either side of the window still belong to it (counters need two points).
         "server": server_summary(
-            server_rows or [],
-            None if window_start is None else window_start - scrape_interval(server_rows or []),
-            None if window_end is None else window_end + scrape_interval(server_rows or []),
+            server_rows,
+            None if window_start is None else window_start - margin,
+            None if window_end is None else window_end + margin,
         ),
         "completed": completed,
         "failed": int(not_ok.sum()),
