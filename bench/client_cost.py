@@ -65,8 +65,8 @@ import pandas as pd
 from common import MACHINE, CpuSampler, dist, finish
 
 from loadlab.records import load_records
-from loadlab.sim.scripted import timing_errors
-from loadlab.target import ServerProcess
+from loadlab.testing import ServerProcess
+from loadlab.testing.scripted import timing_errors
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "tests" / "profiles" / "timing.yaml"
@@ -400,7 +400,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="loadlab-bench-"))
     log = work / "server.jsonl"
     server = ServerProcess(
-        pinned([sys.executable, "-m", "loadlab.sim.scripted", "--port", "0", "--log", str(log),
+        pinned([sys.executable, "-m", "loadlab.testing.scripted", "--port", "0", "--log", str(log),
                 "--ttft-ms", str(args.ttft_ms), "--gap-ms", str(args.gap_ms)], args.server_cpu)
     )  # fmt: skip
     server.start()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loadlab.target import ServerProcess
+from loadlab.testing import ServerProcess
 
 TICKS = os.sysconf("SC_CLK_TCK")
 MACHINE = -1  # a CPU sampler's key for the whole machine
@@ -23,7 +23,7 @@ def start_scripted_server(work: Path, ttft_ms: float, gap_ms: float, *pin: str) 
     ``pin`` prefixes the command (e.g. ``taskset -c 0``). Returns the started server and its log."""
     log = work / "server.jsonl"
     server = ServerProcess(
-        [*pin, sys.executable, "-m", "loadlab.sim.scripted", "--port", "0", "--log", str(log),
+        [*pin, sys.executable, "-m", "loadlab.testing.scripted", "--port", "0", "--log", str(log),
          "--ttft-ms", str(ttft_ms), "--gap-ms", str(gap_ms)]
     )  # fmt: skip
     server.start()

@@ -40,8 +40,8 @@ import orjson
 from common import MACHINE, CpuSampler, dist, finish, machine_line, start_scripted_server
 
 from loadlab.records import load_records
-from loadlab.sim.scripted import read_log, timing_errors
-from loadlab.target import ServerProcess
+from loadlab.testing import ServerProcess
+from loadlab.testing.scripted import read_log, timing_errors
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "tests" / "profiles" / "timing.yaml"

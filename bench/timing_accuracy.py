@@ -22,7 +22,7 @@ import numpy as np
 from common import machine_line, start_scripted_server
 
 from loadlab.records import load_records
-from loadlab.sim.scripted import read_log, timing_errors
+from loadlab.testing.scripted import read_log, timing_errors
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "tests" / "profiles" / "timing.yaml"

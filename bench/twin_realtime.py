@@ -27,7 +27,7 @@ import time
 import urllib.request
 from urllib.parse import urlsplit
 
-from loadlab.target import ServerProcess
+from loadlab.testing import ServerProcess
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -145,7 +145,7 @@ def main() -> int:
     for api in args.api:
         for c in args.concurrency:
             server = ServerProcess(
-                [*pin, sys.executable, "-m", "loadlab.sim", "--port", "0", "--gpu", args.gpu,
+                [*pin, sys.executable, "-m", "loadlab", "sim", "--port", "0", "--gpu", args.gpu,
                  "--max-running-requests", str(max(c, 1)), "--log-level", "warning"]
             )  # fmt: skip
             url = server.start()

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from loadlab.profile import validate_profile
-from loadlab.sim.virtual import run_virtual
+from loadlab.virtual import run_virtual
 
 LIMITS = (32, 64, 128, 256, 512)
 REPEATS = 3

@@ -1,4 +1,4 @@
-"""`loadlab run | report | sim | validate`.
+"""Every ``loadlab`` command's argparse and dispatch: `run | report | compare | sweep | validate | sim`.
 
 `loadlab run` only arranges processes: it validates the profile, then runs Locust headless on
 loadlab/swarm/locustfile.py (the same code as `locust -f locustfile.py`), and prints the run directory
@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadlab.cliargs import EXIT_BAD_INPUT, OneLineParser, positive
+from loadlab import exits
+from loadlab.cliargs import OneLineParser, non_negative, positive
+from loadlab.procs import free_port
 from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
 from loadlab.swarm.options import (
     PASSED_THROUGH,
@@ -28,9 +30,7 @@ LOCUSTFILE = Path(__file__).parent / "swarm" / "locustfile.py"
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sim"]:  # the simulated server parses its own SGLang-style flags
-        from loadlab.sim.cli import main as sim_main
-
-        return sim_main(argv[1:])
+        return _cmd_sim(argv[1:])
     # Everything after a bare `--` goes to Locust untouched.
     locust_args: list[str] = []
     if "--" in argv:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ProfileError as e:
         print(f"loadlab: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exits.BAD_INPUT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -113,7 +113,7 @@ def _cmd_run(args) -> int:
     cmd += ["--profile-file", args.profile, "--out", str(out), "--run-name", run_name]
     workers: list[subprocess.Popen] = []
     if args.workers:
-        port = args.master_port or _free_port()
+        port = args.master_port or free_port()
         cmd += ["--master", "--expect-workers", str(args.workers), "--master-bind-host", "127.0.0.1",
                 "--master-bind-port", str(port)]  # fmt: skip
     for flag in CLI_OVERRIDES:  # the same loadlab options, passed on as given
@@ -176,14 +176,6 @@ def _run_workers(args) -> int:
     return max(statuses)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cmd_report(args) -> int:
     from loadlab.analysis.report import write_report
     from loadlab.records import (
@@ -201,10 +193,10 @@ def _cmd_report(args) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         print(f"loadlab: {run_dir}: not a directory", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exits.BAD_INPUT
     if not any((run_dir / name).exists() for name in (RECORDS_PARQUET, RECORDS_JSONL, SPILL_DIR)):
         print(f"loadlab: {run_dir}: no records ({RECORDS_PARQUET} or {RECORDS_JSONL})", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exits.BAD_INPUT
     if not (run_dir / MANIFEST).exists():
         print(f"loadlab: {run_dir}: warning: no {MANIFEST}; SLO and load model unknown", file=sys.stderr)
     recovered = merge_spills(run_dir, recorded_indices(run_dir))
@@ -219,7 +211,7 @@ def _cmd_report(args) -> int:
         )
     write_report(run_dir)
     print(run_dir / "summary.md")
-    return 0
+    return exits.OK
 
 
 def _cmd_compare(args) -> int:
@@ -229,15 +221,15 @@ def _cmd_compare(args) -> int:
     for d in dirs:
         if not d.is_dir():
             print(f"loadlab: {d}: not a run directory", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            return exits.BAD_INPUT
     a, b = (load_summary(d) for d in dirs)
     print(render(dirs[0], dirs[1], a, b, compare(a, b)), end="")
-    return 0
+    return exits.OK
 
 
 def _cmd_sweep(args) -> int:
     from loadlab.experiment.sweep import load_sweep, run_sweep
-    from loadlab.target import TargetError
+    from loadlab.target.probe import TargetError
 
     spec = load_sweep(args.sweep_file)
     out = Path(args.out or Path("reports") / f"sweep-{spec['name']}")
@@ -245,7 +237,7 @@ def _cmd_sweep(args) -> int:
         return run_sweep(spec, out, args.locust_args and ["--", *args.locust_args])
     except TargetError as e:
         print(f"loadlab sweep: {e}", file=sys.stderr)
-        return 3
+        return exits.TARGET
 
 
 def _cmd_validate(args) -> int:
@@ -262,7 +254,137 @@ def _cmd_validate(args) -> int:
             continue
         profile = load_profile(path)
         print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests)")
-    return 0
+    return exits.OK
+
+
+# ----------------------------------------------------------------------------------------------------------
+# loadlab sim: the twin, as a server or in virtual time
+SIM_PROG = "loadlab sim"
+VIRTUAL_OPTIONS = ("out", "run_name", "concurrency", "rate", "arrival", "num_requests", "warmup_requests")
+
+
+def sim_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """``loadlab sim``'s command line: the twin's settings (SGLang's flag names) and the virtual-time run.
+    ``suppress_defaults``: unset flags stay out of the namespace (to tell which were given)."""
+    from loadlab.sim import settings
+
+    p = OneLineParser(
+        prog=SIM_PROG,
+        description="Simulated SGLang server (SGLang's scheduler on a GPU cost model, prefix cache, SGLang's "
+        "wire protocol). Flags use SGLang's launch-flag names. Prints 'loadlab-sim listening on "
+        "http://HOST:PORT' when ready. With --virtual PROFILE it runs the profile against the twin in "
+        "virtual time instead and prints the run directory.",
+    )
+    settings.add_arguments(p, suppress_defaults)
+    v = p.add_argument_group("virtual time (loadlab sim --virtual PROFILE)")
+    v.add_argument("--virtual", metavar="PROFILE", default=None,
+                   help="run PROFILE against the twin on a simulated clock; writes a run directory")  # fmt: skip
+    v.add_argument(
+        "--out", metavar="DIR", default=None, help="directory that receives the run directory (reports)"
+    )
+    v.add_argument(
+        "--run-name", metavar="NAME", default=None, help="run directory name (default: time-profile-virtual)"
+    )
+    load = v.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency", type=positive(int), default=None, help="closed loop: requests held in flight"
+    )
+    load.add_argument("--rate", type=positive(float), default=None, help="open loop: requests per second")
+    v.add_argument(
+        "--arrival", choices=("poisson", "constant"), default=None, help="open-loop arrival process"
+    )
+    v.add_argument("--num-requests", type=positive(int), default=None, help="measured requests")
+    v.add_argument("--warmup-requests", type=non_negative(int), default=None, help="warm-up requests")
+    return p
+
+
+def _cmd_sim(argv: list[str]) -> int:
+    import logging
+
+    parser = sim_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # bad flags (2) or --help (0); argparse has printed the message
+        return e.code if isinstance(e.code, int) else exits.BAD_INPUT
+    if args.virtual is None:
+        given = [o for o in VIRTUAL_OPTIONS if getattr(args, o) is not None]
+        if given:
+            flags = ", ".join("--" + o.replace("_", "-") for o in given)
+            print(f"{SIM_PROG}: error: {flags}: only with --virtual PROFILE (see --help)", file=sys.stderr)
+            return exits.BAD_INPUT
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.virtual is not None:
+        return _cmd_sim_virtual(args, argv)
+    from loadlab.sim.serve import serve
+    from loadlab.sim.settings import resolve_settings
+    from loadlab.sim.tokenize import Tokenizer
+
+    try:
+        settings = resolve_settings(args)
+        tokenizer = Tokenizer(settings["tokenizer"])
+    except ValueError as e:
+        print(f"{SIM_PROG}: error: {e}", file=sys.stderr)
+        return exits.BAD_INPUT
+    try:
+        serve(settings, tokenizer)
+    except OSError as e:
+        print(
+            f"{SIM_PROG}: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr
+        )
+        return exits.PARTIAL
+    return exits.OK
+
+
+def _cmd_sim_virtual(args: argparse.Namespace, argv: list[str]) -> int:
+    """``loadlab sim --virtual PROFILE``: the profile's settings (``target.embedded``) with the flags given
+    on the command line on top; prints the run directory as the last line."""
+    from loadlab.records import read_manifest
+    from loadlab.sim.settings import BY_NAME, PROCESS_SETTINGS
+    from loadlab.virtual import run_virtual
+
+    explicit = vars(sim_parser(suppress_defaults=True).parse_args(argv))
+    overrides: dict = {}
+    if args.concurrency is not None:
+        overrides.update({"load.model": "closed", "load.concurrency": args.concurrency, "load.rate": None})
+    if args.rate is not None:
+        overrides.update({"load.model": "open", "load.rate": args.rate, "load.concurrency": None})
+    if args.arrival is not None:
+        overrides["load.arrival"] = args.arrival
+    if args.num_requests is not None:
+        overrides["requests.measured"] = args.num_requests
+    if args.warmup_requests is not None:
+        overrides["requests.warmup"] = args.warmup_requests
+    try:
+        profile = load_profile(args.virtual, overrides)
+    except ProfileError as e:
+        print(f"{SIM_PROG}: error: {e}", file=sys.stderr)
+        return exits.BAD_INPUT
+    settings = dict(profile.target.embedded)
+    settings.update({k: v for k, v in explicit.items() if k in BY_NAME and k not in PROCESS_SETTINGS})
+    try:
+        run_dir = run_virtual(
+            profile, settings, args.out or "reports", args.run_name, profile_path=args.virtual,
+            command=["loadlab", "sim", *argv],
+        )  # fmt: skip
+    except (ValueError, ProfileError) as e:
+        print(f"{SIM_PROG}: error: {e}", file=sys.stderr)
+        return exits.BAD_INPUT
+    m = read_manifest(run_dir)
+    ok = m.get("counts", {}).get("outcomes", {}).get("ok", 0)
+    vs = m.get("virtual_stats", {})
+    print(
+        f"loadlab sim: virtual run complete: {ok} ok / {m.get('counts', {}).get('records', 0)} requests, "
+        f"{vs.get('virtual_duration_s', 0):.1f} s simulated in {vs.get('wall_s', 0):.2f} s; "
+        f"report {run_dir / 'summary.md'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    print(run_dir, flush=True)
+    return exits.OK
 
 
 if __name__ == "__main__":

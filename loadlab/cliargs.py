@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import math
 
-EXIT_BAD_INPUT = 2  # the process exit status for a user mistake (profile, flag, file)
+from loadlab import exits
 
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage dump) and exit status 2."""
 
     def error(self, message):
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(exits.BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _bounded(kind, what: str, ok):

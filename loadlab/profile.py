@@ -262,7 +262,7 @@ def validate_profile(data: dict[str, Any], label: str = "<profile>", lines=None)
 def _check_embedded(profile: Profile, label: str, lines) -> None:
     if not profile.target.embedded:
         return
-    from loadlab.sim.cli import check_embedded_settings
+    from loadlab.sim.settings import check_embedded_settings
 
     # Check one setting at a time so the error can point at the offending key's line.
     for key, value in profile.target.embedded.items():

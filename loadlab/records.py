@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ RECORDS_JSONL = "records.jsonl"
 RECORDS_PARQUET = "records.parquet"
 MANIFEST = "manifest.json"
 SPILL_DIR = "spill"  # workers' own copies of their records (distributed runs), one JSONL file per worker
+# The target's /metrics, one JSON line per scrape (loadlab.target.scraper writes, analysis.server_metrics reads)
+SERVER_METRICS = "server_metrics.jsonl"
+DEFAULT_SCRAPE_INTERVAL_S = 1.0
 
 # Outcomes a request can end with. "ok" is the only success.
 OK = "ok"
@@ -120,6 +124,11 @@ def read_jsonl_records(path: Path) -> list[dict[str, Any]]:
             except orjson.JSONDecodeError:
                 continue
     return rows
+
+
+def worker_id() -> str:
+    """The id of this load generator process, in every record it writes: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def spill_name(worker_id: str) -> str:

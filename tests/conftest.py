@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from loadlab.sim.scripted import read_log, timing_errors  # noqa: F401 - timing_errors: for the tests
-from loadlab.target import ServerProcess
+from loadlab.testing import ServerProcess
+from loadlab.testing.scripted import read_log, timing_errors  # noqa: F401 - timing_errors: for the tests
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = Path(__file__).resolve().parent / "profiles"
@@ -42,7 +42,7 @@ class ScriptedServer(ServerProcess):
 
 
 def start_scripted(log_path: Path, ttft_ms: float = 100.0, gap_ms: float = 20.0) -> ScriptedServer:
-    argv = [sys.executable, "-m", "loadlab.sim.scripted", "--port", "0", "--log", str(log_path)]
+    argv = [sys.executable, "-m", "loadlab.testing.scripted", "--port", "0", "--log", str(log_path)]
     argv += ["--ttft-ms", str(ttft_ms), "--gap-ms", str(gap_ms)]
     return ScriptedServer(argv, log_path)
 

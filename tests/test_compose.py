@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from loadlab.procs import free_port
 from loadlab.records import read_jsonl_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,12 +77,6 @@ def interpolate(value, variables: dict[str, str]):
         return current or ""
 
     return _VAR.sub(sub, value)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def container_port(spec) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from loadlab.cli import _free_port
+from loadlab.procs import free_port
 from loadlab.records import SPILL_DIR, read_jsonl_records, spill_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def start_worker(tmp_path: Path, port: int, out: str, n: int) -> subprocess.Pope
 def start_cluster(tmp_path: Path, measured: int, worker_out: str) -> tuple[subprocess.Popen, list]:
     """A master and 2 workers on a 64-token-output profile (4 warm-up requests)."""
     profile = write_profile(tmp_path, warmup=4, measured=measured, output_len=64)
-    port = _free_port()
+    port = free_port()
     master = start_master(tmp_path, profile, port)
     return master, [start_worker(tmp_path, port, worker_out, n) for n in range(2)]
 
@@ -206,12 +206,12 @@ def test_master_host_needs_workers(tmp_path, flag):
 
 def test_a_worker_that_cannot_reach_the_target_fails_the_run_loudly(tmp_path):
     """The master can reach the target when it starts; by the time the workers join it is gone."""
-    from loadlab.target import EmbeddedServer
+    from loadlab.target.embedded import EmbeddedServer
 
     server = EmbeddedServer({"gpu": "h100-80gb"})
     url = server.start()
     profile = write_profile(tmp_path, warmup=0, measured=8, output_len=4)
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--master", "--headless", "--expect-workers",
            "1", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port), "--profile-file",
            str(profile), "--host", url, "--out", str(tmp_path / "out"), "--run-name", "run"]  # fmt: skip

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from loadlab.scrape import gauge_series, parse_metrics, scrape_interval, server_summary
+from loadlab.analysis.server_metrics import gauge_series, scrape_interval, server_summary
+from loadlab.target.scraper import parse_metrics
 
 PAGE = """\
 # HELP sglang:num_running_reqs The number of running requests.
@@ -135,12 +136,13 @@ def test_a_cluster_is_summed_per_scrape_round():
 
 
 def test_metrics_urls_scrapes_every_server_listed(tmp_path):
-    from loadlab.experiment.sweep import LaunchedServer, _free_port
+    from loadlab.experiment.sweep import LaunchedServer
+    from loadlab.procs import free_port
 
     servers = []
     try:
         for name in ("a", "b"):  # b gets no traffic: its series is there, at zero
-            port = _free_port()
+            port = free_port()
             argv = ["loadlab", "sim", "--port", str(port), "--gpu", "h100-80gb", "--max-running-requests", "4",
                     "--enable-metrics"]  # fmt: skip
             server = LaunchedServer(argv, f"http://127.0.0.1:{port}", 60, tmp_path / f"{name}.log")

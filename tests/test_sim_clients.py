@@ -7,12 +7,12 @@ import sys
 import openai
 import pytest
 
-from loadlab.target import ServerProcess
+from loadlab.testing import ServerProcess
 
 
 @pytest.fixture(scope="module")
 def sim():
-    server = ServerProcess([sys.executable, "-m", "loadlab.sim", "--port", "0", "--enable-cache-report"])
+    server = ServerProcess([sys.executable, "-m", "loadlab", "sim", "--port", "0", "--enable-cache-report"])
     server.start()
     yield server
     server.stop()

@@ -21,8 +21,10 @@ import aiohttp
 import orjson
 import pytest
 
-from loadlab.sim.cli import build_parser, check_embedded_settings, main, settings_to_argv
+from loadlab.cli import main as loadlab_main
+from loadlab.cli import sim_parser
 from loadlab.sim.engine import Engine, EngineConfig, RadixCache, prefill_pass_s
+from loadlab.sim.settings import check_embedded_settings, settings_to_argv
 
 REPO = Path(__file__).resolve().parents[1]
 READY = re.compile(r"^loadlab-sim listening on http://127\.0\.0\.1:(\d+)$")
@@ -36,7 +38,7 @@ class Sim:
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loadlab.sim", "--port", "0", "--log-level", "warning", *args],
+            [sys.executable, "-m", "loadlab", "sim", "--port", "0", "--log-level", "warning", *args],
             stdout=subprocess.PIPE,
             stderr=self.log,
             cwd=REPO,
@@ -654,13 +656,13 @@ def test_client_disconnect_aborts_request(sim):
 # --------------------------------------------------------------------------------------------------------
 def test_bad_flags_exit_2_without_traceback():
     for bad in (["--max-running-requests", "abc"], ["--no-such-flag"], ["--schedule-policy", "random"]):
-        r = subprocess.run([sys.executable, "-m", "loadlab.sim", *bad], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "loadlab", "sim", *bad], capture_output=True, text=True,
                            cwd=REPO, timeout=30)  # fmt: skip
         assert r.returncode == 2
         assert "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("loadlab sim: error: ")
         assert r.stdout == ""
-    assert main(["--max-running-requests", "0"]) == 2
+    assert loadlab_main(["sim", "--max-running-requests", "0"]) == 2
 
 
 def test_sigterm_exits_cleanly():
@@ -701,7 +703,7 @@ def test_check_embedded_settings_and_argv():
     argv = settings_to_argv(good)
     assert argv == ["--max-running-requests", "64", "--enable-metrics", "--mem-fraction-static", "0.85",
                     "--schedule-policy", "lpm", "--chunked-prefill-size", "-1"]  # fmt: skip
-    args = build_parser().parse_args(argv)
+    args = sim_parser().parse_args(argv)
     assert args.max_running_requests == 64 and args.enable_metrics and not args.disable_radix_cache
     assert args.chunked_prefill_size == -1 and args.mem_fraction_static == 0.85
     with pytest.raises(ValueError):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from loadlab.experiment.sweep import SweepError, choose, knee_index, load_sweep, refine_configs
-from loadlab.target import TargetError
+from loadlab.target.probe import TargetError
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEP = REPO / "tests" / "sweeps" / "short.yaml"

@@ -7,10 +7,10 @@ import statistics
 
 import pytest
 
-from loadlab.sim.cli import resolve_settings
+from loadlab.sim.clock import run_requests
 from loadlab.sim.cost import GPUS, MODELS, CostModel, attention_pairs, default_max_running_requests
 from loadlab.sim.scheduler import Request, Scheduler, SchedulerConfig
-from loadlab.sim.virtual import run_requests
+from loadlab.sim.settings import resolve_settings
 
 A100 = CostModel("a100-80gb", "llama-3.1-8b")
 H100 = CostModel("h100-80gb", "llama-3.1-8b")

@@ -9,7 +9,7 @@ import pytest
 from loadlab.analysis.metrics import itl_samples
 from loadlab.profile import validate_profile
 from loadlab.sim.cost import CostModel, attention_pairs
-from loadlab.sim.virtual import simulate
+from loadlab.virtual import simulate
 
 A100 = CostModel()
 

@@ -13,8 +13,8 @@ import pytest
 
 from loadlab.profile import validate_profile
 from loadlab.sim.cost import CostModel, attention_pairs
-from loadlab.sim.virtual import simulate
-from loadlab.target import EmbeddedServer
+from loadlab.target.embedded import EmbeddedServer
+from loadlab.virtual import simulate
 from loadlab.workload import build_workload
 
 

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from loadlab.sim.clock import run_requests, token_events
 from loadlab.sim.cost import CostModel, attention_pairs
 from loadlab.sim.radix import RadixCache
 from loadlab.sim.scheduler import (
@@ -20,7 +21,6 @@ from loadlab.sim.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from loadlab.sim.virtual import run_requests, token_events
 
 COST = CostModel()
 _ids = itertools.count(1)

@@ -14,7 +14,7 @@ import yaml
 from loadlab.cli import main as loadlab_main
 from loadlab.profile import validate_profile
 from loadlab.records import RECORD_FIELDS, load_records, read_manifest
-from loadlab.sim.virtual import run_virtual, simulate
+from loadlab.virtual import run_virtual, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 SWARM_MANIFEST_KEYS = {"run_id", "profile_path", "profile", "target", "model", "load", "started_wall", "ended_wall",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -11,13 +10,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from loadlab.procs import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get_json(url: str):
@@ -36,7 +31,7 @@ def _wait_for(predicate, timeout_s: float, what: str):
 
 
 def test_web_ui_shows_token_latencies_and_writes_the_report(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "locust", "-f", "locustfile.py",

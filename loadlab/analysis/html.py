@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from loadlab.analysis.server_metrics import gauge_series
 from loadlab.records import MEASURE, OK
-from loadlab.scrape import gauge_series
 
 REPORT_HTML = "report.html"
 

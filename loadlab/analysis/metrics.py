@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from loadlab.analysis.server_metrics import scrape_interval, server_summary
 from loadlab.records import MEASURE, OK, RECORD_FIELDS, WARMUP
-from loadlab.scrape import scrape_interval, server_summary
 
 SUMMARY_SCHEMA = "loadlab.summary/1"
 PERCENTILES = (90, 95, 99)

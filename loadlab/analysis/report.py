@@ -11,8 +11,8 @@ import pandas as pd
 
 from loadlab.analysis.html import REPORT_HTML, render_html
 from loadlab.analysis.metrics import compute_summary
+from loadlab.analysis.server_metrics import read_server_metrics
 from loadlab.records import RECORD_FIELDS, RECORDS_JSONL, RECORDS_PARQUET, load_records, read_manifest
-from loadlab.scrape import read_server_metrics
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"

@@ -12,13 +12,11 @@ reason for every rejected configuration, plain-language findings, written to `sw
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,10 +26,11 @@ from typing import Any
 
 import yaml
 
-from loadlab.cliargs import EXIT_BAD_INPUT
+from loadlab import exits
+from loadlab.procs import free_port
 from loadlab.profile import ProfileError, load_profile, parse_set_option
-from loadlab.swarm.options import EXIT_CLIENT_BOUND
-from loadlab.target import TargetError, die_with_parent, probe
+from loadlab.target.launch import LaunchedServer
+from loadlab.target.probe import TargetError
 
 SWEEP_STATE = "sweep.json"
 SWEEP_MD = "sweep.md"
@@ -151,60 +150,6 @@ def label(config: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in config.items())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LaunchedServer:
-    """A target started from the launch template for one configuration, ready when it answers."""
-
-    def __init__(self, argv: list[str], url: str, ready_timeout_s: float, log_path: Path):
-        self.argv, self.url, self.ready_timeout_s, self.log_path = argv, url, ready_timeout_s, log_path
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, should_stop=lambda: False) -> None:
-        argv = [sys.executable, "-m", "loadlab", *self.argv[1:]] if self.argv[0] == "loadlab" else self.argv
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=die_with_parent, start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + self.ready_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise TargetError(
-                    f"the server exited with status {self.proc.returncode}; see {self.log_path}"
-                )
-            if should_stop():  # Ctrl-C while a model loads (minutes for real SGLang)
-                self.stop()
-                raise TargetError("interrupted while the server was starting")
-            try:
-                probe(self.url, need_model=False, wait_s=0)
-                return
-            except TargetError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TargetError(
-                        f"the server did not answer at {self.url} within {self.ready_timeout_s:g} s"
-                    ) from None
-                time.sleep(0.5)
-
-    def stop(self) -> None:
-        """Stops the whole process group, also when its leader already died (an SGLang launcher killed for
-        memory can leave scheduler processes holding the GPU and the port)."""
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left of the group
-        self.proc.wait()
-
-
 def run_sweep(spec: dict[str, Any], out: Path, extra_run_args: list[str] | None = None) -> int:
     """Runs (or resumes) the sweep into ``out``; returns 0 when complete, 130 when interrupted, 3 when a
     configuration failed (its server did not start or died, or a run failed)."""
@@ -275,12 +220,12 @@ class Sweep:
         if self.interrupted:
             print(f"loadlab sweep: interrupted; {len(self.runs)} of {total} runs kept. Run the same command "
                   "to resume.", file=sys.stderr, flush=True)  # fmt: skip
-            return 130
+            return exits.INTERRUPTED
         print(self.out / SWEEP_MD, flush=True)
         if self.failed:
             print(f"loadlab sweep: {len(self.failed)} configuration(s) failed (see {SWEEP_MD}); the same command "
                   "tries them again", file=sys.stderr, flush=True)  # fmt: skip
-            return 3
+            return exits.TARGET
         return 0
 
     def _run_configs(self, first: int, stop: int, stage: str) -> None:
@@ -296,7 +241,7 @@ class Sweep:
             try:
                 url = None
                 if spec["launch"]:  # a fresh server per configuration
-                    port = _free_port()
+                    port = free_port()
                     fill = {**{a: str(v) for a, v in config.items() if "." not in a}, "port": str(port)}
                     url = spec["url"].format(**fill)
                     argv = [a.format(**fill) for a in spec["launch"]]
@@ -378,9 +323,9 @@ def _one_run(
     # Ctrl-C reaches the run too (same process group): it records what was in flight and exits 1.
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     lines = done.stdout.strip().splitlines()
-    if done.returncode == EXIT_CLIENT_BOUND and lines:  # --strict: a finished run, flagged (a finding)
+    if done.returncode == exits.CLIENT_BOUND and lines:  # --strict: a finished run, flagged (a finding)
         return Path(lines[-1])
-    if done.returncode == EXIT_BAD_INPUT:  # the same for every configuration: stop here
+    if done.returncode == exits.BAD_INPUT:  # the same for every configuration: stop here
         raise SweepError(f"run {name}: loadlab run refused its input (exit status 2; the message is above)")
     if done.returncode != 0 or not lines:  # the caller tells a Ctrl-C from a failure
         raise TargetError(f"run {name} failed (exit status {done.returncode})")

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from loadlab import __version__
+from loadlab.sim import SIM_VERSION
 from loadlab.sim.engine import (
     Engine,
     QueueFullError,
@@ -28,7 +28,6 @@ from loadlab.sim.engine import (
 from loadlab.sim.tokenize import OUTPUT_IDS, OUTPUT_TEXTS, Tokenizer, output_start
 
 SLOW_READER_BYTES = 64 * 1024  # unsent bytes at which a stream stops pushing and waits for its reader
-SIM_VERSION = f"loadlab-sim {__version__}"
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang's (and OpenAI's) default
 # Chat has no default length in SGLang (the model stops at EOS); the sim never emits EOS, so it uses this.
@@ -755,4 +754,4 @@ class SimServer:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-__all__ = ["SIM_VERSION", "BadRequest", "SimServer"]
+__all__ = ["BadRequest", "SimServer"]

@@ -38,6 +38,8 @@ import orjson
 from gevent.event import AsyncResult, Event
 from locust.runners import STATE_MISSING
 
+from loadlab import exits
+from loadlab.load import Ticket
 from loadlab.profile import ProfileError, validate_profile
 from loadlab.records import (
     CANCELLED,
@@ -50,8 +52,7 @@ from loadlab.records import (
     write_manifest,
 )
 from loadlab.swarm.calibration import ClientMonitor
-from loadlab.swarm.tickets import Ticket
-from loadlab.target import EXIT_TARGET, TargetError, probe
+from loadlab.target.probe import TargetError, probe
 from loadlab.workload import build_workload
 from loadlab.workload.text import Renderer
 
@@ -63,10 +64,6 @@ DRAIN_TIMEOUT_S = 30.0  # how long the master waits for workers to send their la
 MASTER_LOST_S = 10.0  # a worker with no heartbeat from its master for this long stops and exits
 CLOCK_PINGS = 5
 CLOCK_WARN_S = 0.010  # worker clock offsets above this blur a cross-host timeline: warn
-
-
-def worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -247,7 +244,7 @@ class Coordinator:
     def _on_failed(self, environment, msg, **_kw) -> None:
         self.failure = f"worker {msg.node_id}: {msg.data['error']}"
         log.error("loadlab: %s", self.failure)
-        environment.process_exit_code = EXIT_TARGET
+        environment.process_exit_code = exits.TARGET
         from loadlab.swarm.locustfile import end_run
 
         gevent.spawn(end_run, environment)
@@ -416,7 +413,7 @@ class WorkerAgent:
     def _fail(self, error: str) -> None:
         print(f"loadlab: worker {self.environment.runner.client_id}: {error}", file=sys.stderr, flush=True)
         self.environment.runner.send_message("loadlab_failed", {"error": error})
-        self.environment.process_exit_code = EXIT_TARGET
+        self.environment.process_exit_code = exits.TARGET
 
     def _on_ticket(self, environment, msg, **_kw) -> None:
         run = self.run

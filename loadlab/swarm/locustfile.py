@@ -17,20 +17,20 @@ import gevent
 from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadlab.cliargs import EXIT_BAD_INPUT
+from loadlab import exits
 from loadlab.profile import ProfileError, load_profile
-from loadlab.scrape import Scraper
 from loadlab.swarm.calibration import ClientMonitor
 from loadlab.swarm.distributed import Coordinator, WorkerAgent
 from loadlab.swarm.options import (
-    EXIT_CLIENT_BOUND,
     OPEN_LOOP_MAX_USERS,
     add_loadlab_arguments,
     overrides_from_options,
 )
 from loadlab.swarm.run import Run
 from loadlab.swarm.users import SGLangUser
-from loadlab.target import EXIT_TARGET, EmbeddedServer, TargetError, probe
+from loadlab.target.embedded import EmbeddedServer
+from loadlab.target.probe import TargetError, probe
+from loadlab.target.scraper import Scraper
 from loadlab.workload import build_workload
 from loadlab.workload.text import Renderer
 
@@ -121,15 +121,15 @@ def _on_init(environment, runner, **_kw):
         try:
             _check_out_dir(environment.parsed_options.out)
         except ProfileError as e:
-            _fail(str(e), EXIT_BAD_INPUT)
+            _fail(str(e), exits.BAD_INPUT)
         environment.loadlab_agent = WorkerAgent(environment)
         return
     try:
         environment.loadlab_session = _Session(environment)
     except ProfileError as e:
-        _fail(str(e), EXIT_BAD_INPUT)
+        _fail(str(e), exits.BAD_INPUT)
     except TargetError as e:
-        _fail(str(e), EXIT_TARGET)
+        _fail(str(e), exits.TARGET)
     if isinstance(runner, MasterRunner):
         environment.loadlab_coordinator = Coordinator(environment)
         # Users of a worker that dies are started again on the others (Locust's rebalancing).
@@ -252,5 +252,5 @@ def _on_quitting(environment, **_kw):
             environment.process_exit_code = 0 if run.complete else 1
         client_bound = (run.manifest.get("client") or {}).get("client_bound")
         if client_bound and environment.parsed_options.strict and environment.process_exit_code == 0:
-            environment.process_exit_code = EXIT_CLIENT_BOUND
+            environment.process_exit_code = exits.CLIENT_BOUND
     session.stop_embedded()

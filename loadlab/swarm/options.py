@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from loadlab import exits
 from loadlab.cliargs import non_negative, positive
 from loadlab.profile import APIS, CLI_OVERRIDES, parse_set_option
 
 DEFAULT_PROFILE = "profiles/default.yaml"
-EXIT_CLIENT_BOUND = 4
 # Probe lateness P99 above this flags the run. The probe is conservative (1.5-3x the measured P99 timing
 # error of runs well inside capacity on this VM; saturated runs read 10 ms and more): bench/RESULTS.md.
 DEFAULT_LIMIT_MS = 5.0
@@ -62,7 +62,7 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
     add("--client-limit-cpu", type=positive(float), default=DEFAULT_LIMIT_CPU, metavar="FRACTION",
         help="client-bound when a load generator's mean CPU passes this fraction of a core")  # fmt: skip
     add("--strict", action="store_true", default=False,
-        help=f"exit {EXIT_CLIENT_BOUND} when the run is client-bound (its figures are suspect)")  # fmt: skip
+        help=f"exit {exits.CLIENT_BOUND} when the run is client-bound (its figures are suspect)")  # fmt: skip
     add(
         "--set",
         action="append",

@@ -15,6 +15,7 @@ from typing import Any
 import gevent
 
 import loadlab
+from loadlab.load import Arrivals, Tickets
 from loadlab.profile import Profile
 from loadlab.records import (
     OK,
@@ -24,13 +25,12 @@ from loadlab.records import (
     merge_spills,
     read_jsonl_records,
     unique_run_name,
+    worker_id,
     write_manifest,
     write_parquet,
 )
 from loadlab.swarm.calibration import verdict
-from loadlab.swarm.distributed import worker_id
 from loadlab.swarm.options import DEFAULT_LIMIT_CPU, DEFAULT_LIMIT_MS
-from loadlab.swarm.tickets import Arrivals, Tickets
 
 log = logging.getLogger("loadlab")
 
@@ -72,7 +72,7 @@ class Run:
         self.coordinator = None  # the master's, in a distributed run
         self.monitor = None  # this process's ClientMonitor, when it runs users
         self.calibration: dict[str, Any] | None = None
-        self.scraper = None  # the target's /metrics scraper process (loadlab.scrape)
+        self.scraper = None  # the target's /metrics scraper process (loadlab.target.scraper)
         self.client_limits = (DEFAULT_LIMIT_MS, DEFAULT_LIMIT_CPU)
         self.finalized = False
         self.manifest: dict[str, Any] = {

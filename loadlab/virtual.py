@@ -32,9 +32,7 @@ import platform
 import random
 import sys
 import time
-from array import array
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,71 +53,14 @@ from loadlab.records import (
     unique_run_name,
     write_manifest,
 )
-from loadlab.sim.scheduler import DONE, Iteration, QueueFullError, Request, RequestTooLargeError, Scheduler
-from loadlab.sim.tokenize import OUTPUT_IDS, output_start
+from loadlab.sim import SIM_VERSION
+from loadlab.sim.clock import output_ids_for, quantize, token_events
+from loadlab.sim.cost import cost_model
+from loadlab.sim.scheduler import DONE, QueueFullError, Request, RequestTooLargeError, Scheduler
+from loadlab.sim.settings import engine_config, resolve_settings
+from loadlab.workload import build_workload
 
 WORKER_ID = "virtual"
-_TICK = 2.0**-20  # virtual time is kept on a grid of ~0.95 us so that epoch + t and ms conversions are exact
-
-
-def _quantize(seconds: float) -> float:
-    """Rounds a duration to the virtual clock's grid (at least one tick). On the grid, every time below
-    2**22 s added to an integer epoch, and every difference times 1000, is exact in a double: a request
-    sent the moment another ends starts exactly at its end, as the records then show."""
-    return max(1, round(seconds / _TICK)) * _TICK
-
-
-def output_ids_for(prompt: list[int], max_new: int) -> list[int]:
-    """The ids the server would generate for ``prompt`` (the same deterministic output as over HTTP)."""
-    start = output_start(prompt)
-    reps = (start + max_new) // len(OUTPUT_IDS) + 1
-    return list((OUTPUT_IDS * reps)[start : start + max_new])
-
-
-def token_events(times, t_send: float, interval: int) -> tuple[list[float], list[int]]:
-    """(arrival_ms, arrival_tokens) of one request's events: tokens 1, 1 + I, 1 + 2I, ... and the last."""
-    n = len(times)
-    if n == 0:
-        return [], []
-    ms = (np.frombuffer(times, dtype=np.float64) if isinstance(times, array) else np.asarray(times)) - t_send
-    ms *= 1000.0
-    if interval <= 1:
-        return ms.tolist(), [1] * n
-    ks = list(range(0, n, interval))  # token indices (0-based) that end an event: 0, I, 2I, ...
-    if ks[-1] != n - 1:
-        ks.append(n - 1)
-    toks = [1] + [b - a for a, b in zip(ks, ks[1:], strict=False)]
-    return ms[ks].tolist(), toks
-
-
-def run_requests(
-    sched: Scheduler,
-    arrivals: list[tuple[float, Request]],
-    observe: Callable[[Iteration, Scheduler], None] | None = None,
-) -> float:
-    """Drives ``sched`` on a virtual clock until it is idle and every request has arrived: each request is
-    queued at its arrival time (arrivals during a pass wait for its end). ``observe(it, sched)`` sees each
-    pass after it is decided and before it completes. Returns the final time. (Tests and experiments.)"""
-    pending = sorted(arrivals, key=lambda a: a[0])
-    i, n, t = 0, len(pending), 0.0
-    while True:
-        while i < n and pending[i][0] <= t:
-            sched.add_request(pending[i][1], pending[i][0])
-            i += 1
-        it = sched.next_iteration(t)
-        if it is None:
-            if i < n:
-                t = max(t, pending[i][0])
-                continue
-            return t
-        if observe is not None:
-            observe(it, sched)
-        end = t + _quantize(it.duration)
-        while i < n and pending[i][0] <= end:
-            sched.add_request(pending[i][1], pending[i][0])
-            i += 1
-        sched.complete(it, end)
-        t = end
 
 
 class _Spec:
@@ -140,8 +81,6 @@ class _Specs:
     several settings generates each request only once per process."""
 
     def __init__(self, profile: Profile):
-        from loadlab.workload import build_workload
-
         self.workload = build_workload(profile)
         self._cache: dict[int, _Spec] = {}
 
@@ -208,9 +147,6 @@ class VirtualRun:
     def __init__(
         self, profile: Profile, settings: dict[str, Any], run_id: str = "virtual", epoch: float = 0.0
     ):
-        from loadlab.sim.cli import engine_config
-        from loadlab.sim.cost import cost_model
-
         self.profile = profile
         self.settings = settings
         cfg = engine_config(settings, record_token_times=True)
@@ -260,7 +196,7 @@ class VirtualRun:
                 return
             index, phase = ticket
             due = self._next_due
-            self._next_due = due + _quantize(self._gap())
+            self._next_due = due + quantize(self._gap())
             self._push(max(due, now), index, phase, due)
 
     def start(self) -> None:
@@ -394,7 +330,7 @@ class VirtualRun:
                 if self.client.done and not self._waiting_sends:
                     break
                 raise RuntimeError("virtual run stalled: requests remain but nothing can run")
-            end = t + _quantize(it.duration)
+            end = t + quantize(it.duration)
             while heap and heap[0][0] <= end:  # arrivals during the pass wait in the queue
                 send, _, index, phase, due = heapq.heappop(heap)
                 self._send(send, index, phase, due)
@@ -469,8 +405,6 @@ def describe_load(profile: Profile) -> dict[str, Any]:
 
 def simulate(profile: Profile, sim_settings: dict[str, Any] | None = None) -> VirtualRun:
     """Runs a profile in virtual time without writing anything; ``.records`` holds the records."""
-    from loadlab.sim.cli import resolve_settings
-
     settings = resolve_settings(dict(sim_settings or {}))
     vr = VirtualRun(profile, settings)
     vr.run()
@@ -491,8 +425,6 @@ def run_virtual(
     ``sim_settings`` are server settings under SGLang's names (``max_running_requests``, ``gpu``, ...),
     as in a profile's ``target.embedded``; unset ones take the server's defaults."""
     from loadlab.analysis.report import write_report
-    from loadlab.sim.cli import resolve_settings
-    from loadlab.sim.server import SIM_VERSION
 
     wall0 = time.perf_counter()
     settings = resolve_settings(dict(sim_settings or {}))
@@ -557,10 +489,7 @@ def run_virtual(
 __all__ = [
     "VirtualRun",
     "describe_load",
-    "output_ids_for",
-    "run_requests",
     "run_virtual",
     "simulate",
-    "token_events",
     "write_records",
 ]

@@ -1,31 +1,30 @@
-"""``loadlab sim`` / ``python -m loadlab.sim``: run the simulated SGLang server.
+"""The twin's settings: one table, under SGLang's launch-flag names, for the command line, a profile's
+``target.embedded`` mapping and the resolved values ``/server_info`` shows.
 
-Flags carry SGLang's launch-flag names (``python -m sglang.launch_server``). When the server listens it
-prints exactly one line to stdout, ``loadlab-sim listening on http://HOST:PORT`` (the real port, also with
-``--port 0``), and then nothing else on stdout; logs go to stderr. SIGTERM or SIGINT stops it (exit 0).
-
-The same table of settings drives the command line and the validation of a profile's
-``target.embedded`` mapping (``check_embedded_settings``, ``settings_to_argv``).
+- ``SETTINGS`` / ``BY_NAME``: every setting, its type, default, bounds and help.
+- ``add_arguments(parser)``: the flags on an argparse parser (``loadlab sim``); ``settings_to_argv``: a
+  mapping back to flags (the embedded server's command line). The two round-trip.
+- ``check_embedded_settings``: one-line validation of a profile's mapping.
+- ``resolve_settings``: every setting with its default resolved (SGLang's rules); ``engine_config``: the
+  scheduler's configuration from resolved settings.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import math
 import os
-import signal
-import socket
-import sys
 from dataclasses import dataclass
 from typing import Any
 
-from loadlab.cliargs import OneLineParser, non_negative, positive
-from loadlab.sim import READY_PREFIX
-from loadlab.sim.cost import GPUS, MODELS
-
-PROG = "loadlab sim"
+from loadlab.sim.cost import (
+    DEFAULT_MEM_FRACTION_STATIC,
+    GPUS,
+    MODELS,
+    CostModel,
+    default_max_running_requests,
+)
+from loadlab.sim.engine import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -174,55 +173,28 @@ def _arg_type(s: Setting):
     return parse
 
 
-VIRTUAL_OPTIONS = ("out", "run_name", "concurrency", "rate", "arrival", "num_requests", "warmup_requests")
+# Server-only settings: where it listens and how it logs, never part of what a run's report shows.
+PROCESS_SETTINGS = ("host", "port", "log_level")
 
 
-def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
-    """The command line. ``suppress_defaults``: leave unset flags out of the namespace (to tell which
-    settings were given explicitly)."""
-    p = OneLineParser(
-        prog=PROG,
-        description="Simulated SGLang server (SGLang's scheduler on a GPU cost model, prefix cache, SGLang's "
-        "wire protocol). Flags use SGLang's launch-flag names. Prints 'loadlab-sim listening on "
-        "http://HOST:PORT' when ready. With --virtual PROFILE it runs the profile against the twin in "
-        "virtual time instead and prints the run directory.",
-    )
+def add_arguments(parser: argparse.ArgumentParser, suppress_defaults: bool = False) -> None:
+    """Every setting as a flag (``--max-running-requests``, SGLang's aliases too). ``suppress_defaults``:
+    unset flags stay out of the namespace (to tell which settings were given explicitly)."""
     for s in SETTINGS:
-        default = argparse.SUPPRESS if suppress_defaults else s.default
         if s.kind == "bool":
-            p.add_argument(s.flag, *s.aliases, dest=s.name, action="store_true", help=s.help,
-                           default=argparse.SUPPRESS if suppress_defaults else False)  # fmt: skip
-        else:
-            default_note = "" if s.default is None else f" (default: {s.default})"
-            p.add_argument(
-                s.flag,
-                *s.aliases,
-                dest=s.name,
-                type=_arg_type(s),
-                default=default,
-                metavar=s.kind.upper() if not s.choices else "{" + ",".join(s.choices) + "}",
-                help=s.help + default_note,
-            )
-    v = p.add_argument_group("virtual time (loadlab sim --virtual PROFILE)")
-    v.add_argument("--virtual", metavar="PROFILE", default=None,
-                   help="run PROFILE against the twin on a simulated clock; writes a run directory")  # fmt: skip
-    v.add_argument(
-        "--out", metavar="DIR", default=None, help="directory that receives the run directory (reports)"
-    )
-    v.add_argument(
-        "--run-name", metavar="NAME", default=None, help="run directory name (default: time-profile-virtual)"
-    )
-    load = v.add_mutually_exclusive_group()
-    load.add_argument(
-        "--concurrency", type=positive(int), default=None, help="closed loop: requests held in flight"
-    )
-    load.add_argument("--rate", type=positive(float), default=None, help="open loop: requests per second")
-    v.add_argument(
-        "--arrival", choices=("poisson", "constant"), default=None, help="open-loop arrival process"
-    )
-    v.add_argument("--num-requests", type=positive(int), default=None, help="measured requests")
-    v.add_argument("--warmup-requests", type=non_negative(int), default=None, help="warm-up requests")
-    return p
+            parser.add_argument(s.flag, *s.aliases, dest=s.name, action="store_true", help=s.help,
+                                default=argparse.SUPPRESS if suppress_defaults else False)  # fmt: skip
+            continue
+        default_note = "" if s.default is None else f" (default: {s.default})"
+        parser.add_argument(
+            s.flag,
+            *s.aliases,
+            dest=s.name,
+            type=_arg_type(s),
+            default=argparse.SUPPRESS if suppress_defaults else s.default,
+            metavar=s.kind.upper() if not s.choices else "{" + ",".join(s.choices) + "}",
+            help=s.help + default_note,
+        )
 
 
 def check_embedded_settings(settings: dict) -> str | None:
@@ -273,8 +245,6 @@ def resolve_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any
 
     ``args`` is the parsed command line, or a mapping of settings (missing ones take their defaults).
     Raises ValueError for a combination that cannot work (weights that leave no room for the KV cache)."""
-    from loadlab.sim.cost import DEFAULT_MEM_FRACTION_STATIC, CostModel, default_max_running_requests
-
     if isinstance(args, dict):
         s = {st.name: args.get(st.name, st.default) for st in SETTINGS}
     else:
@@ -307,10 +277,8 @@ def resolve_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any
     return s
 
 
-def engine_config(settings: dict[str, Any], record_token_times: bool = False):
+def engine_config(settings: dict[str, Any], record_token_times: bool = False) -> EngineConfig:
     """The engine/scheduler configuration for resolved settings."""
-    from loadlab.sim.engine import EngineConfig
-
     return EngineConfig(
         max_running_requests=settings["max_running_requests"],
         max_queued_requests=settings["max_queued_requests"],
@@ -327,131 +295,3 @@ def engine_config(settings: dict[str, Any], record_token_times: bool = False):
         model=settings["model"],
         tp_size=settings["tp_size"],
     )
-
-
-async def _serve(settings: dict[str, Any], tokenizer) -> None:
-    from aiohttp import web
-
-    from loadlab.sim.engine import Engine
-    from loadlab.sim.server import SimServer
-
-    engine = Engine(engine_config(settings))
-    host, port = settings["host"], settings["port"]
-    sock = socket.create_server((host, port), backlog=4096)
-    sock.setblocking(False)
-    await engine.start()
-    app = SimServer(settings, engine, tokenizer).build_app()
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
-    await runner.setup()
-    try:
-        site = web.SockSite(runner, sock)
-        await site.start()
-        settings["port"] = sock.getsockname()[1]
-        shown = f"[{host}]" if ":" in host else host
-        sys.stdout.write(f"{READY_PREFIX}http://{shown}:{settings['port']}\n")
-        sys.stdout.flush()
-        logging.getLogger("loadlab.sim").info(
-            "serving %s on %s: max_running_requests=%s max_total_num_tokens=%s radix_cache=%s",
-            settings["served_model_name"],
-            engine.cost.name,
-            settings["max_running_requests"],
-            settings["max_total_num_tokens"],
-            "off" if settings["disable_radix_cache"] else "on",
-        )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-    finally:
-        await engine.stop()
-        await runner.cleanup()
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # bad flags (2) or --help (0); argparse has printed the message
-        return e.code if isinstance(e.code, int) else 2
-    if args.virtual is None:
-        given = [o for o in VIRTUAL_OPTIONS if getattr(args, o) is not None]
-        if given:
-            flags = ", ".join("--" + o.replace("_", "-") for o in given)
-            print(f"{PROG}: error: {flags}: only with --virtual PROFILE (see --help)", file=sys.stderr)
-            return 2
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if args.virtual is not None:
-        return _main_virtual(args, argv)
-    from loadlab.sim.tokenize import Tokenizer
-
-    try:
-        settings = resolve_settings(args)
-        tokenizer = Tokenizer(settings["tokenizer"])
-    except ValueError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(_serve(settings, tokenizer))
-    except OSError as e:
-        print(f"{PROG}: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-def _main_virtual(args: argparse.Namespace, argv: list[str]) -> int:
-    """``loadlab sim --virtual PROFILE``: the profile's settings (``target.embedded``) with the flags given
-    on the command line on top; prints the run directory as the last line."""
-    from loadlab.profile import ProfileError, load_profile
-    from loadlab.sim.virtual import run_virtual
-
-    explicit = vars(build_parser(suppress_defaults=True).parse_args(argv))
-    overrides: dict[str, Any] = {}
-    if args.concurrency is not None:
-        overrides.update({"load.model": "closed", "load.concurrency": args.concurrency, "load.rate": None})
-    if args.rate is not None:
-        overrides.update({"load.model": "open", "load.rate": args.rate, "load.concurrency": None})
-    if args.arrival is not None:
-        overrides["load.arrival"] = args.arrival
-    if args.num_requests is not None:
-        overrides["requests.measured"] = args.num_requests
-    if args.warmup_requests is not None:
-        overrides["requests.warmup"] = args.warmup_requests
-    try:
-        profile = load_profile(args.virtual, overrides)
-    except ProfileError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    settings = dict(profile.target.embedded)
-    settings.update(
-        {k: v for k, v in explicit.items() if k in BY_NAME and k not in ("host", "port", "log_level")}
-    )
-    try:
-        run_dir = run_virtual(
-            profile, settings, args.out or "reports", args.run_name, profile_path=args.virtual,
-            command=["loadlab", "sim", *argv],
-        )  # fmt: skip
-    except (ValueError, ProfileError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    from loadlab.records import read_manifest
-
-    m = read_manifest(run_dir)
-    ok = m.get("counts", {}).get("outcomes", {}).get("ok", 0)
-    vs = m.get("virtual_stats", {})
-    print(
-        f"loadlab sim: virtual run complete: {ok} ok / {m.get('counts', {}).get('records', 0)} requests, "
-        f"{vs.get('virtual_duration_s', 0):.1f} s simulated in {vs.get('wall_s', 0):.2f} s; "
-        f"report {run_dir / 'summary.md'}",
-        file=sys.stderr,
-        flush=True,
-    )
-    print(run_dir, flush=True)
-    return 0

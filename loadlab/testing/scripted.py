@@ -8,7 +8,7 @@ logs, per request, the wall-clock time right after each token-carrying event's l
 the kernel. Joining that log with the client's records on ``server_id`` gives the client's timing
 error per event.
 
-    python -m loadlab.sim.scripted --port 0 --log server.jsonl [--ttft-ms 100] [--gap-ms 20]
+    python -m loadlab.testing.scripted --port 0 --log server.jsonl [--ttft-ms 100] [--gap-ms 20]
 
 prints ``loadlab-sim listening on http://127.0.0.1:PORT`` when ready. The behaviour is picked by a
 path prefix, so a client only needs a different base URL: ``http://127.0.0.1:PORT/case/<name>/generate``
@@ -57,7 +57,8 @@ import uuid
 
 import orjson
 
-READY_PREFIX = "loadlab-sim listening on "
+from loadlab.sim import READY_PREFIX  # the ready line the twin prints; the wire code is its own
+
 MODEL = "scripted-model"
 CASES = (
     "normal",
@@ -685,7 +686,7 @@ def timing_errors(records, server_log: dict[str, dict]) -> tuple[list[float], li
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadlab.sim.scripted", description=__doc__.split("\n")[0]
+        prog="python -m loadlab.testing.scripted", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--host", default="127.0.0.1", help="listen address (loopback only by default)")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")

@@ -1,0 +1,100 @@
+"""Reading a run's ``server_metrics.jsonl`` (written by ``loadlab.target.scraper``): the scrape interval,
+a cluster's gauges per scrape round, and the seed's server-side columns over the measured window."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+from loadlab.records import DEFAULT_SCRAPE_INTERVAL_S, SERVER_METRICS
+
+
+def scrape_interval(rows: list[dict[str, Any]]) -> float:
+    """The interval the rows were scraped at (the median gap between one server's scrapes),
+    DEFAULT_SCRAPE_INTERVAL_S with too few rows."""
+    by_url: dict[str, list[float]] = {}
+    for r in rows:
+        if isinstance(r.get("t"), int | float):
+            by_url.setdefault(r.get("url", ""), []).append(r["t"])
+    gaps = sorted(b - a for t in by_url.values() for a, b in itertools.pairwise(sorted(t)))
+    return gaps[len(gaps) // 2] if len(gaps) >= 2 else DEFAULT_SCRAPE_INTERVAL_S
+
+
+def read_server_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / SERVER_METRICS
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn last line
+    return rows
+
+
+def gauge_series(rows: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
+    """A gauge per scrape round (at the round's first scrape), summed across the servers: the requests
+    running or queued in a cluster are the sum of its servers'. A round where a server's value is missing
+    (a failed scrape, the edge of a window) is left out rather than summed short."""
+    servers = {r["url"] for r in rows if "m" in r}
+    rounds: dict[Any, dict[str, tuple[float, float]]] = {}
+    position: dict[str, int] = {}
+    for r in rows:
+        url = r.get("url")
+        key = r.get("round")
+        if key is None:  # written before rounds were numbered: the n-th scrape of each server
+            key = position[url] = position.get(url, -1) + 1
+        if "m" in r and name in r["m"]:
+            rounds.setdefault(key, {})[url] = (r["t"], r["m"][name])
+    whole = [by_url for _, by_url in sorted(rounds.items()) if set(by_url) == servers]
+    return [min(t for t, _ in b.values()) for b in whole], [sum(v for _, v in b.values()) for b in whole]
+
+
+def server_summary(rows: list[dict[str, Any]], start: float | None, end: float | None) -> dict[str, Any]:
+    """The seed's server-side columns over [start, end] (the measured window, epoch s), per target URL
+    summed or maxed across servers: mean queue delay, peak KV usage, running and queued requests,
+    cache-hit rate, retractions. ``available`` is False when no scrape in the window had metrics."""
+    good = [r for r in rows if "m" in r and (start is None or start <= r["t"] <= (end or r["t"]))]
+    errors = sorted({r["error"] for r in rows if "error" in r})
+    if not good:
+        return {"available": False, "scrapes": 0, "errors": errors[:3]}
+    by_url: dict[str, list[dict[str, Any]]] = {}
+    for r in good:
+        by_url.setdefault(r["url"], []).append(r["m"])
+
+    def delta(name: str) -> float | None:
+        total, seen = 0.0, False
+        for series in by_url.values():
+            values = [m[name] for m in series if name in m]
+            if len(values) >= 2:
+                total += values[-1] - values[0]
+                seen = True
+        return total if seen else None
+
+    def gauge(name: str) -> list[float]:
+        return gauge_series(good, name)[1]
+
+    def stat(values: list[float], fn) -> float | None:
+        return float(fn(values)) if values else None
+
+    q_sum, q_count = delta("sglang:queue_time_seconds_sum"), delta("sglang:queue_time_seconds_count")
+    cached, prompt = delta("sglang:cached_tokens_total"), delta("sglang:prompt_tokens_total")
+    usage = [m["sglang:token_usage"] for s in by_url.values() for m in s if "sglang:token_usage" in m]
+    running, queued = gauge("sglang:num_running_reqs"), gauge("sglang:num_queue_reqs")
+    retracted = delta("sglang:num_retracted_requests_total")
+    return {
+        "available": True,
+        "servers": len(by_url),
+        "scrapes": len(good),
+        "mean_queue_time_ms": q_sum / q_count * 1000.0 if q_sum is not None and q_count else None,
+        "peak_token_usage": stat(usage, max),
+        "mean_running": stat(running, lambda v: sum(v) / len(v)),
+        "max_running": stat(running, max),
+        "mean_queued": stat(queued, lambda v: sum(v) / len(v)),
+        "max_queued": stat(queued, max),
+        "cache_hit_rate": cached / prompt if cached is not None and prompt else None,
+        "retractions": retracted,
+        "errors": errors[:3],
+    }

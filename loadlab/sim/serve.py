@@ -1,0 +1,64 @@
+"""The twin as a server process: resolved settings -> the engine and the HTTP app on a socket.
+
+When the server listens it prints exactly one line to stdout, ``loadlab-sim listening on http://HOST:PORT``
+(``READY_PREFIX``; the real port, also with port 0), and then nothing else on stdout; logs go to stderr.
+SIGTERM or SIGINT stops it. ``loadlab sim`` (``loadlab/cli.py``) parses the flags and calls ``serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from loadlab.sim import READY_PREFIX
+from loadlab.sim.engine import Engine
+from loadlab.sim.server import SimServer
+from loadlab.sim.settings import engine_config
+from loadlab.sim.tokenize import Tokenizer
+
+
+def serve(settings: dict[str, Any], tokenizer: Tokenizer) -> None:
+    """Serves until SIGTERM or SIGINT. Raises OSError when it cannot listen."""
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(settings, tokenizer))
+
+
+async def _serve(settings: dict[str, Any], tokenizer: Tokenizer) -> None:
+    engine = Engine(engine_config(settings))
+    host, port = settings["host"], settings["port"]
+    sock = socket.create_server((host, port), backlog=4096)
+    sock.setblocking(False)
+    await engine.start()
+    app = SimServer(settings, engine, tokenizer).build_app()
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        site = web.SockSite(runner, sock)
+        await site.start()
+        settings["port"] = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        sys.stdout.write(f"{READY_PREFIX}http://{shown}:{settings['port']}\n")
+        sys.stdout.flush()
+        logging.getLogger("loadlab.sim").info(
+            "serving %s on %s: max_running_requests=%s max_total_num_tokens=%s radix_cache=%s",
+            settings["served_model_name"],
+            engine.cost.name,
+            settings["max_running_requests"],
+            settings["max_total_num_tokens"],
+            "off" if settings["disable_radix_cache"] else "on",
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await engine.stop()
+        await runner.cleanup()

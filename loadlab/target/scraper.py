@@ -1,0 +1,119 @@
+"""Server metrics during a run: SGLang's Prometheus ``/metrics``, scraped at a fixed interval.
+
+The scraper runs as its own process (``python -m loadlab.target.scraper``), never inside a load generator: parsing
+a metrics page takes milliseconds of CPU, which would delay token timestamps. Each scrape is one flushed
+JSON line in ``server_metrics.jsonl`` of the run directory: ``{"t": epoch s, "url": ..., "m": {name:
+value}}`` with ``sglang:`` names (label sets summed for counters and histograms, the largest value taken
+for gauges), or ``"error"`` when the page could not be read. The lines become the
+seed's server-side columns (``loadlab.analysis.server_metrics`` reads the file); a target without
+``/metrics`` leaves them unavailable, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from loadlab.procs import spawn, stop
+from loadlab.records import DEFAULT_SCRAPE_INTERVAL_S, SERVER_METRICS
+
+GAUGES = (
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:token_usage",
+    "sglang:num_used_tokens",
+    "sglang:max_total_num_tokens",
+    "sglang:gen_throughput",
+    "sglang:cache_hit_rate",
+    "sglang:num_retracted_reqs",
+)
+COUNTERS = (
+    "sglang:prompt_tokens_total",
+    "sglang:generation_tokens_total",
+    "sglang:num_requests_total",
+    "sglang:cached_tokens_total",
+    "sglang:num_aborted_requests_total",
+    "sglang:num_retracted_requests_total",
+    "sglang:queue_time_seconds_sum",
+    "sglang:queue_time_seconds_count",
+    "sglang:time_to_first_token_seconds_sum",
+    "sglang:time_to_first_token_seconds_count",
+)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The wanted ``sglang:`` samples of a Prometheus text page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, value = sample.name, float(sample.value)
+            if name in GAUGES:
+                out[name] = max(out.get(name, value), value)
+            elif name in COUNTERS:
+                out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def scrape_once(url: str, timeout_s: float = 2.0) -> dict[str, Any]:
+    line: dict[str, Any] = {"t": time.time(), "url": url}
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+            line["m"] = parse_metrics(r.read().decode("utf-8", "replace"))
+    except urllib.error.HTTPError as e:
+        why = " (start SGLang with --enable-metrics)" if e.code == 404 else ""
+        line["error"] = f"GET /metrics: HTTP {e.code}{why}"
+    except (OSError, ValueError) as e:
+        line["error"] = f"GET /metrics: {e}"
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadlab.target.scraper", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("urls", nargs="+", help="server base URLs")
+    parser.add_argument("--out", required=True, help="JSONL file to append to")
+    parser.add_argument("--interval", type=float, default=DEFAULT_SCRAPE_INTERVAL_S)
+    args = parser.parse_args(argv)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    with open(args.out, "a") as f:
+        next_t, round_no = time.monotonic(), 0
+        while not stop:
+            for url in args.urls:  # a round: every server once; the round number lines their series up
+                f.write(json.dumps({**scrape_once(url), "round": round_no}) + "\n")
+            f.flush()
+            round_no += 1
+            next_t += args.interval
+            time.sleep(max(0.0, next_t - time.monotonic()))
+    return 0
+
+
+class Scraper:
+    """The scraper process of a run (started by the process that owns the run directory)."""
+
+    def __init__(self, urls: list[str], run_dir: Path, interval_s: float = DEFAULT_SCRAPE_INTERVAL_S):
+        self.cmd = [sys.executable, "-m", "loadlab.target.scraper", *urls, "--out", str(Path(run_dir) / SERVER_METRICS),
+                    "--interval", str(interval_s)]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Scraper:
+        self.proc = spawn(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        return self
+
+    def stop(self) -> None:
+        stop(self.proc, timeout_s=5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
