@@ -31,7 +31,7 @@ PositiveInt = Annotated[StrictInt, Field(gt=0)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 
 
-class Target(_Strict):
+class TargetConfig(_Strict):
     url: str = Field(EMBEDDED, description="SGLang server base URL, or 'embedded' for the simulated server")
     # Settings for the embedded server, as SGLang launch flags without the dashes
     # (e.g. max_running_requests: 64); ignored when url is a real server.
@@ -79,7 +79,7 @@ def url_problem(url: str) -> str | None:
     return None
 
 
-class Load(_Strict):
+class LoadConfig(_Strict):
     # closed: `concurrency` requests always in flight. open: requests arrive at `rate` per second
     # whatever the server does (bench_serving's --request-rate), optionally capped at `concurrency`.
     model: Literal["closed", "open"] = "closed"
@@ -106,19 +106,19 @@ class Load(_Strict):
         return self
 
 
-class Requests(_Strict):
+class RequestsConfig(_Strict):
     warmup: NonNegativeInt = 0
     measured: PositiveInt = 100
 
 
-class Slo(_Strict):
+class SloConfig(_Strict):
     ttft_p95_ms: float | None = Field(None, gt=0)
     tpot_p95_ms: float | None = Field(None, gt=0)
     itl_p95_ms: float | None = Field(None, gt=0)
     e2e_p95_ms: float | None = Field(None, gt=0)
 
 
-class RagWorkload(_Strict):
+class RagWorkloadConfig(_Strict):
     kind: Literal["rag"]
     input_len: PositiveInt = 1024
     output_len: PositiveInt = 256
@@ -143,7 +143,7 @@ class RagWorkload(_Strict):
         return self
 
 
-class SharedPrefixWorkload(_Strict):
+class SharedPrefixWorkloadConfig(_Strict):
     kind: Literal["shared_prefix"]
     num_groups: PositiveInt = 16
     system_prompt_len: PositiveInt = 2048
@@ -151,7 +151,7 @@ class SharedPrefixWorkload(_Strict):
     output_len: PositiveInt = 256
 
 
-class RandomPrefixWorkload(_Strict):
+class RandomPrefixWorkloadConfig(_Strict):
     kind: Literal["random_prefix"]
     input_len: PositiveInt | None = 512
     input_len_range: tuple[PositiveInt, PositiveInt] | None = None  # drawn uniformly, inclusive
@@ -173,18 +173,20 @@ class RandomPrefixWorkload(_Strict):
         return self
 
 
-Workload = Annotated[RagWorkload | SharedPrefixWorkload | RandomPrefixWorkload, Field(discriminator="kind")]
+WorkloadConfig = Annotated[
+    RagWorkloadConfig | SharedPrefixWorkloadConfig | RandomPrefixWorkloadConfig, Field(discriminator="kind")
+]
 
 
 class Profile(_Strict):
     name: str = "unnamed"
     description: str = ""
     seed: StrictInt = 0
-    target: Target = Field(default_factory=Target)
-    load: Load = Field(default_factory=Load)
-    requests: Requests = Field(default_factory=Requests)
-    workload: Workload
-    slo: Slo = Field(default_factory=Slo)
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    load: LoadConfig = Field(default_factory=LoadConfig)
+    requests: RequestsConfig = Field(default_factory=RequestsConfig)
+    workload: WorkloadConfig
+    slo: SloConfig = Field(default_factory=SloConfig)
 
     @property
     def total_requests(self) -> int:

@@ -9,7 +9,7 @@ from loadlab.workload.generators import (
     RagGenerator,
     RandomPrefixGenerator,
     SharedPrefixGenerator,
-    Workload,
+    WorkloadGenerator,
     build_workload,
 )
 from loadlab.workload.spec import RequestSpec
@@ -26,7 +26,7 @@ __all__ = [
     "Renderer",
     "RequestSpec",
     "SharedPrefixGenerator",
-    "Workload",
+    "WorkloadGenerator",
     "build_workload",
     "get_renderer",
     "load_tokenizer",

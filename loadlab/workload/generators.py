@@ -21,9 +21,9 @@ import numpy as np
 from loadlab.profile import (
     Profile,
     ProfileError,
-    RagWorkload,
-    RandomPrefixWorkload,
-    SharedPrefixWorkload,
+    RagWorkloadConfig,
+    RandomPrefixWorkloadConfig,
+    SharedPrefixWorkloadConfig,
 )
 from loadlab.workload.spec import RequestSpec
 from loadlab.workload.words import NUM_WORDS
@@ -61,7 +61,7 @@ def _cache_size(item_tokens: int, items: int) -> int:
     return max(1, min(items, _CACHE_TOKENS // max(1, item_tokens)))
 
 
-class Workload:
+class WorkloadGenerator:
     """A deterministic, random-access stream of request specs; subclasses implement ``_spec``."""
 
     kind: str = ""
@@ -89,7 +89,7 @@ class Workload:
         return f"<{type(self).__name__} seed={self.seed} {self.config!r}>"
 
 
-class RagGenerator(Workload):
+class RagGenerator(WorkloadGenerator):
     """Shared instruction + k Zipf-popular passages (most popular first) + a unique question.
 
     Passage p has popularity rank p (0 = most popular, probability proportional to 1/(p+1)^s); its
@@ -103,7 +103,7 @@ class RagGenerator(Workload):
 
     def __init__(self, profile: Profile):
         super().__init__(profile)
-        w: RagWorkload = self.config
+        w: RagWorkloadConfig = self.config
         k = w.passages_per_prompt
         if k > w.corpus_size:
             raise ProfileError(
@@ -169,7 +169,7 @@ def _lead_pair(perm0: np.ndarray, perm1: np.ndarray, j: int) -> list[int]:
     return [int(perm0[j % NUM_WORDS]), int(perm1[(j // NUM_WORDS) % NUM_WORDS])]
 
 
-class SharedPrefixGenerator(Workload):
+class SharedPrefixGenerator(WorkloadGenerator):
     """bench_serving's generated-shared-prefix: num_groups fixed system prompts plus unique questions.
 
     Request i belongs to group i % num_groups (round-robin, so any window of num_groups consecutive
@@ -184,7 +184,7 @@ class SharedPrefixGenerator(Workload):
 
     def __init__(self, profile: Profile):
         super().__init__(profile)
-        w: SharedPrefixWorkload = self.config
+        w: SharedPrefixWorkloadConfig = self.config
         self._first = _rng(self._s, _SALT_GSP_SYSTEM_FIRST).permutation(NUM_WORDS)
         lead = _rng(self._s, _SALT_GSP_QUESTION_LEAD)
         self._q0 = lead.permutation(NUM_WORDS)
@@ -202,7 +202,7 @@ class SharedPrefixGenerator(Workload):
         return index % self.config.num_groups
 
     def _spec(self, index: int) -> RequestSpec:
-        w: SharedPrefixWorkload = self.config
+        w: SharedPrefixWorkloadConfig = self.config
         group = self.group_of(index)
         rng = _rng(self._s, index, _SALT_GSP_REQUEST)
         question = _words(rng, w.question_len)
@@ -213,7 +213,7 @@ class SharedPrefixGenerator(Workload):
         return RequestSpec(index=index, input_ids=tuple(ids), max_new_tokens=w.output_len, prefix_group=group)
 
 
-class RandomPrefixGenerator(Workload):
+class RandomPrefixGenerator(WorkloadGenerator):
     """Prompts that share nothing from the first token.
 
     The first two words encode the index through two seed-dependent permutations of the word table
@@ -232,7 +232,7 @@ class RandomPrefixGenerator(Workload):
         self._p1 = lead.permutation(NUM_WORDS)
 
     def _spec(self, index: int) -> RequestSpec:
-        w: RandomPrefixWorkload = self.config
+        w: RandomPrefixWorkloadConfig = self.config
         rng = _rng(self._s, index, _SALT_RP_REQUEST)
         if w.input_len_range is not None:
             n_in = int(rng.integers(w.input_len_range[0], w.input_len_range[1] + 1))
@@ -246,12 +246,12 @@ class RandomPrefixGenerator(Workload):
         return RequestSpec(index=index, input_ids=tuple(ids), max_new_tokens=n_out, prefix_group=None)
 
 
-_GENERATORS: dict[str, type[Workload]] = {
+_GENERATORS: dict[str, type[WorkloadGenerator]] = {
     g.kind: g for g in (RagGenerator, SharedPrefixGenerator, RandomPrefixGenerator)
 }
 
 
-def build_workload(profile: Profile) -> Workload:
+def build_workload(profile: Profile) -> WorkloadGenerator:
     """The request-spec stream of a validated profile (raises ProfileError for combinations the
     schema cannot check alone)."""
     return _GENERATORS[profile.workload.kind](profile)
