@@ -178,15 +178,13 @@ def _run_workers(args) -> int:
 
 def _cmd_report(args) -> int:
     from loadlab.analysis.report import write_report
+    from loadlab.manifest import MANIFEST, read_manifest, write_manifest
     from loadlab.records import (
-        MANIFEST,
         RECORDS_JSONL,
         RECORDS_PARQUET,
         SPILL_DIR,
         merge_spills,
-        read_manifest,
         recorded_indices,
-        write_manifest,
         write_parquet,
     )
 
@@ -203,9 +201,10 @@ def _cmd_report(args) -> int:
     if recovered:  # a distributed run whose master died: the workers' spill files complete the records
         write_parquet(run_dir)
         manifest = read_manifest(run_dir)
-        counts = manifest.setdefault("counts", {})
-        counts["recovered_from_spills"] = counts.get("recovered_from_spills", 0) + len(recovered)
-        write_manifest(run_dir, manifest)
+        if manifest is not None:
+            counts = manifest.counts
+            counts.recovered_from_spills = (counts.recovered_from_spills or 0) + len(recovered)
+            write_manifest(run_dir, manifest)
         print(
             f"loadlab: {run_dir}: {len(recovered)} records merged from workers' spill files", file=sys.stderr
         )
@@ -342,7 +341,7 @@ def _cmd_sim(argv: list[str]) -> int:
 def _cmd_sim_virtual(args: argparse.Namespace, argv: list[str]) -> int:
     """``loadlab sim --virtual PROFILE``: the profile's settings (``target.embedded``) with the flags given
     on the command line on top; prints the run directory as the last line."""
-    from loadlab.records import read_manifest
+    from loadlab.manifest import read_manifest
     from loadlab.sim.settings import BY_NAME, PROCESS_SETTINGS
     from loadlab.virtual import run_virtual
 
@@ -374,11 +373,10 @@ def _cmd_sim_virtual(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"{SIM_PROG}: error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
     m = read_manifest(run_dir)
-    ok = m.get("counts", {}).get("outcomes", {}).get("ok", 0)
-    vs = m.get("virtual_stats", {})
+    ok, vs = m.counts.outcomes.get("ok", 0), m.virtual_stats
     print(
-        f"loadlab sim: virtual run complete: {ok} ok / {m.get('counts', {}).get('records', 0)} requests, "
-        f"{vs.get('virtual_duration_s', 0):.1f} s simulated in {vs.get('wall_s', 0):.2f} s; "
+        f"loadlab sim: virtual run complete: {ok} ok / {m.counts.records} requests, "
+        f"{vs.virtual_duration_s:.1f} s simulated in {vs.wall_s:.2f} s; "
         f"report {run_dir / 'summary.md'}",
         file=sys.stderr,
         flush=True,

@@ -1,8 +1,12 @@
-"""Request tickets: each index handed out exactly once, warm-up first, with a due time in open loop.
+"""The load a run applies: request tickets (each index handed out exactly once, warm-up first, with a
+warm-up barrier), open-loop arrivals (ONE arrival generator for every driver: Locust users, a
+distributed run's master and the virtual-time run), and the load's description in the manifest.
 
 A measured ticket is only handed out once every warm-up request has finished (a barrier), so no measured
 request shares the server with warm-up traffic; the cost is that the in-flight count dips while the last
-warm-up requests drain.
+warm-up requests drain. The open-loop arrival clock starts with the first ticket and again when the barrier
+opens; the gaps come from one seeded generator on the virtual-time grid, so a profile's due times, as
+offsets from the phase's start, are the same in a real run and in ``loadlab sim --virtual``.
 """
 
 from __future__ import annotations
@@ -13,38 +17,51 @@ from typing import NamedTuple
 
 from gevent.event import Event
 
+from loadlab.manifest import LoadDescription
+from loadlab.profile import Profile
 from loadlab.records import MEASURE, WARMUP
+from loadlab.sim.clock import quantize
 
 
 class Ticket(NamedTuple):
     index: int
     phase: str
-    due: float | None  # open loop: when the request should be sent (epoch s); closed loop: None
+    due: float | None  # open loop: when the request should be sent (the driver's clock); closed loop: None
 
 
 class Arrivals:
-    """Open-loop send times: ``rate`` per second, Poisson or evenly spaced, from a seeded generator. The
-    clock starts with the first ticket and again when the warm-up barrier opens."""
+    """Open-loop due times: ``rate`` per second, Poisson or evenly spaced, from a seeded generator.
+    ``due(now)`` is the next due time on the caller's clock; after ``restart()`` the next one is ``now``."""
 
     def __init__(self, rate: float, arrival: str, seed: int):
         self.rate = rate
         self.constant = arrival == "constant"
-        self.rng = random.Random(f"loadlab-arrivals-{seed}")
+        self.rng = random.Random(f"loadlab-arrivals-{seed}")  # salt: never change (it fixes every due time)
         self.next_due: float | None = None
 
     def restart(self) -> None:
         self.next_due = None
 
-    def due(self) -> float:
-        now = time.time()
+    def due(self, now: float) -> float:
         due = now if self.next_due is None else self.next_due
-        self.next_due = due + (1.0 / self.rate if self.constant else self.rng.expovariate(self.rate))
+        gap = 1.0 / self.rate if self.constant else self.rng.expovariate(self.rate)
+        self.next_due = due + quantize(gap)  # on the virtual clock's grid: the same sums in both drivers
         return due
+
+
+def arrivals_for(profile: Profile) -> Arrivals | None:
+    """The profile's arrival generator (open loop), or None (closed loop)."""
+    load = profile.load
+    return Arrivals(load.rate, load.arrival, profile.seed) if load.model == "open" else None
 
 
 class Tickets:
     """Hands out request indices so each index is sent exactly once, warm-up before measured; in open
-    loop each ticket also carries its due time."""
+    loop each ticket also carries its due time.
+
+    Two ways to take one: ``take()`` blocks at the warm-up barrier (gevent: Locust users and the master's
+    lease handler), ``take_ready(now)`` never blocks (the virtual-time run: None while the barrier is
+    closed, or when every ticket is out; ``exhausted`` tells which)."""
 
     def __init__(self, warmup: int, measured: int, arrivals: Arrivals | None = None):
         self.arrivals = arrivals
@@ -55,38 +72,81 @@ class Tickets:
         self.measured_finished = 0
         self.warmup_done = Event()
         self.all_done = Event()
-        self.measure_started_wall: float | None = None
+        self.measure_started_wall: float | None = None  # when the first measured ticket was taken
         self.on_measure_start = None  # called once, with the first measured ticket
         if warmup == 0:
             self.warmup_done.set()
 
+    @property
+    def exhausted(self) -> bool:
+        return self.next_index >= self.total
+
     def take(self) -> Ticket | None:
         """The next ticket, or None when every request has been handed out. May block at the warm-up
         barrier."""
-        if self.next_index >= self.total:
+        if self.exhausted:
+            return None
+        if self.next_index >= self.warmup:
+            self.warmup_done.wait()
+        return self.take_ready(time.time())
+
+    def take_ready(self, now: float) -> Ticket | None:
+        """The next ticket if one may be handed out at ``now`` (the driver's clock), else None."""
+        if self.exhausted:
             return None
         index = self.next_index
-        self.next_index += 1
         if index < self.warmup:
-            return Ticket(index, WARMUP, self._due())
-        self.warmup_done.wait()
+            self.next_index += 1
+            return Ticket(index, WARMUP, self._due(now))
+        if not self.warmup_done.is_set():
+            return None
+        self.next_index += 1
         if self.measure_started_wall is None:
-            self.measure_started_wall = time.time()
+            self.measure_started_wall = now
             if self.arrivals is not None:
                 self.arrivals.restart()  # measured arrivals start when the barrier opens
             if self.on_measure_start is not None:
                 self.on_measure_start()
-        return Ticket(index, MEASURE, self._due())
+        return Ticket(index, MEASURE, self._due(now))
 
-    def _due(self) -> float | None:
-        return self.arrivals.due() if self.arrivals is not None else None
+    def _due(self, now: float) -> float | None:
+        return self.arrivals.due(now) if self.arrivals is not None else None
 
-    def finished(self, phase: str) -> None:
+    def finished(self, phase: str) -> bool:
+        """Counts a finished request; True when it was the last warm-up request (the barrier opens)."""
         if phase == WARMUP:
             self.warmup_finished += 1
             if self.warmup_finished == self.warmup:
                 self.warmup_done.set()
-        else:
-            self.measured_finished += 1
-            if self.measured_finished == self.total - self.warmup:
-                self.all_done.set()
+                return True
+            return False
+        self.measured_finished += 1
+        if self.measured_finished == self.total - self.warmup:
+            self.all_done.set()
+        return False
+
+    @property
+    def done(self) -> bool:
+        return self.all_done.is_set()
+
+
+def describe_load(profile: Profile, users: int, virtual: bool = False) -> LoadDescription:
+    """The load the run applies: the closed loop's concurrency, or the open loop's rate and cap. ``users``
+    is Locust's user count (the closed loop's concurrency, the open loop's cap); an open loop asked
+    without a cap and given a user for every request has no cap in the client."""
+    load = profile.load
+    where = " (virtual time)" if virtual else ""
+    if load.model == "closed":
+        return LoadDescription(
+            model="closed", concurrency=users, description=f"closed loop, {users} in flight{where}"
+        )
+    uncapped = load.concurrency is None and users >= profile.requests.warmup + profile.requests.measured
+    cap = "no cap on requests in flight" if uncapped else f"at most {users} in flight"
+    return LoadDescription(
+        model="open",
+        rate=load.rate,
+        arrival=load.arrival,
+        concurrency=None if uncapped else users,
+        users=users,
+        description=f"open loop, {load.rate:g} req/s ({load.arrival}), {cap}{where}",
+    )

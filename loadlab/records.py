@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+import itertools
 import os
 import re
 import socket
@@ -21,7 +21,6 @@ import orjson
 
 RECORDS_JSONL = "records.jsonl"
 RECORDS_PARQUET = "records.parquet"
-MANIFEST = "manifest.json"
 SPILL_DIR = "spill"  # workers' own copies of their records (distributed runs), one JSONL file per worker
 # The target's /metrics, one JSON line per scrape (loadlab.target.scraper writes, analysis.server_metrics reads)
 SERVER_METRICS = "server_metrics.jsonl"
@@ -179,16 +178,46 @@ def load_records(run_dir: Path):
 
 def write_parquet(run_dir: Path) -> Path:
     """Converts records.jsonl into records.parquet (the JSONL stays as the crash-safe copy)."""
+    run_dir = Path(run_dir)
+    rows = read_jsonl_records(run_dir / RECORDS_JSONL) if (run_dir / RECORDS_JSONL).exists() else []
+    return _write_table(run_dir, {name: [row.get(name) for row in rows] for name in RECORD_FIELDS})
+
+
+def write_records(run_dir: Path, records: list[RequestRecord]) -> None:
+    """records.jsonl and records.parquet in one go, for a run that holds all its records at the end (a
+    virtual-time run has nothing to lose to a crash)."""
+    run_dir = Path(run_dir)
+    with open(run_dir / RECORDS_JSONL, "wb") as f:
+        f.write(b"".join(r.to_json_line() for r in records))
+    _write_table(run_dir, {name: [getattr(r, name) for r in records] for name in RECORD_FIELDS})
+
+
+def _write_table(run_dir: Path, columns: dict[str, list]) -> Path:
+    import numpy as np  # heavy imports, only when a run is finalized
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    run_dir = Path(run_dir)
-    rows = read_jsonl_records(run_dir / RECORDS_JSONL) if (run_dir / RECORDS_JSONL).exists() else []
-    columns = {name: [row.get(name) for row in rows] for name in RECORD_FIELDS}
-    table = pa.table({name: pa.array(values, type=arrow_types()[name]) for name, values in columns.items()})
+    types = arrow_types()
+    arrays = {}
+    for name, values in columns.items():
+        if name in _LIST_COLUMNS and all(v is not None for v in values):
+            # flat values + offsets: ~10x faster than pa.array on a list of lists, the same column
+            offsets = np.zeros(len(values) + 1, dtype=np.int32)
+            np.cumsum([len(v) for v in values], out=offsets[1:])
+            flat = np.fromiter(
+                itertools.chain.from_iterable(values), dtype=np.float64, count=int(offsets[-1])
+            )
+            arrays[name] = pa.ListArray.from_arrays(
+                pa.array(offsets), pa.array(flat).cast(types[name].value_type)
+            )
+        else:
+            arrays[name] = pa.array(values, type=types[name])
     out = run_dir / RECORDS_PARQUET
-    pq.write_table(table, out)
+    pq.write_table(pa.table(arrays), out)
     return out
+
+
+_LIST_COLUMNS = ("arrival_ms", "arrival_tokens")
 
 
 @functools.cache
@@ -225,21 +254,6 @@ def arrow_types() -> dict[str, Any]:
     missing = set(RECORD_FIELDS) - set(types)
     assert not missing, f"no Arrow type for record fields {missing}"
     return types
-
-
-def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
-    """Writes manifest.json atomically (a crash never leaves a half-written manifest)."""
-    path = Path(run_dir) / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
-
-
-def read_manifest(run_dir: Path) -> dict[str, Any]:
-    path = Path(run_dir) / MANIFEST
-    if not path.exists():
-        return {}
-    return json.loads(path.read_text())
 
 
 def default_run_name(profile_name: str, suffix: str = "") -> str:

@@ -3,14 +3,14 @@
 ``run_virtual(profile, sim_settings, out_root)`` runs a profile's requests (``build_workload(profile)``,
 token ids = ``spec.input_ids``) against the twin and writes the same run directory a real run writes:
 ``records.jsonl`` / ``records.parquet`` (one ``RequestRecord`` per request, times from the simulated
-clock), ``manifest.json`` (the keys ``loadlab run`` writes, plus ``"virtual": true``, the sim settings
-and ``virtual_stats``) and ``summary.json`` / ``summary.md``. ``loadlab report`` works on it unchanged.
+clock), ``manifest.json`` (a ``Manifest`` as ``loadlab run`` writes it, plus ``virtual: true``, the twin's
+settings and ``virtual_stats``) and ``summary.json`` / ``summary.md``. ``loadlab report`` works on it unchanged.
 
 Client models (``profile.load``):
 
 - closed loop: ``concurrency`` requests in flight; a new one is sent the moment one finishes.
-- open loop: requests arrive at ``rate`` per second (Poisson or constant spacing, seeded from the profile
-  seed), whatever the server does; with an explicit ``concurrency`` at most that many are in flight
+- open loop: requests arrive at ``rate`` per second (Poisson or constant spacing: ``loadlab.load``'s
+  arrivals, the same due times as a real run), whatever the server does; with an explicit ``concurrency`` at most that many are in flight
   (later arrivals wait client-side, as bench_serving's ``--max-concurrency``; ``t_scheduled_wall`` is when
   a send was due).
 
@@ -25,39 +25,32 @@ request's send time is its arrival time at the server.
 from __future__ import annotations
 
 import heapq
-import itertools
 import json
 import math
-import platform
-import random
 import sys
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-import loadlab
+from loadlab.analysis.report import write_report
+from loadlab.load import Tickets, arrivals_for, describe_load
+from loadlab.manifest import Counts, Manifest, TargetInfo, VirtualStats, software_versions, write_manifest
 from loadlab.profile import Profile
 from loadlab.records import (
     HTTP_ERROR,
     MEASURE,
     OK,
-    RECORD_FIELDS,
-    RECORDS_JSONL,
-    RECORDS_PARQUET,
-    WARMUP,
     RequestRecord,
     default_run_name,
     unique_run_name,
-    write_manifest,
+    write_records,
 )
 from loadlab.sim import SIM_VERSION
 from loadlab.sim.clock import output_ids_for, quantize, token_events
 from loadlab.sim.cost import cost_model
 from loadlab.sim.scheduler import DONE, QueueFullError, Request, RequestTooLargeError, Scheduler
-from loadlab.sim.settings import engine_config, resolve_settings
+from loadlab.sim.settings import PROCESS_SETTINGS, engine_config, resolve_settings
 from loadlab.workload import build_workload
 
 WORKER_ID = "virtual"
@@ -104,43 +97,6 @@ def _specs_for(profile: Profile) -> _Specs:
     return specs
 
 
-class _Client:
-    """Hands out (index, phase) tickets in order, warm-up first, with the warm-up barrier."""
-
-    def __init__(self, warmup: int, measured: int):
-        self.warmup = warmup
-        self.total = warmup + measured
-        self.next_index = 0
-        self.warmup_finished = 0
-        self.measured_finished = 0
-
-    @property
-    def barrier_open(self) -> bool:
-        return self.warmup_finished >= self.warmup
-
-    def take(self) -> tuple[int, str] | None:
-        """The next ticket, or None when all are handed out or the next is measured and warm-up runs."""
-        if self.next_index >= self.total:
-            return None
-        if self.next_index >= self.warmup and not self.barrier_open:
-            return None
-        i = self.next_index
-        self.next_index += 1
-        return i, (WARMUP if i < self.warmup else MEASURE)
-
-    def finished(self, phase: str) -> bool:
-        """Counts a finished request; True when this one opened the warm-up barrier."""
-        if phase == WARMUP:
-            self.warmup_finished += 1
-            return self.warmup_finished == self.warmup
-        self.measured_finished += 1
-        return False
-
-    @property
-    def done(self) -> bool:
-        return self.warmup_finished + self.measured_finished >= self.total
-
-
 class VirtualRun:
     """One simulation: a scheduler, a workload and a client model, on a simulated clock."""
 
@@ -162,8 +118,8 @@ class VirtualRun:
         self.rate = load.rate
         self.arrival = load.arrival
         self.cap = load.concurrency  # None: an open loop without a cap
-        self.client = _Client(profile.requests.warmup, profile.requests.measured)
-        self.rng = random.Random(f"loadlab-virtual-arrivals-{profile.seed}")
+        # The real run's tickets and arrivals, on the virtual clock: the same indices, phases and due times.
+        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals_for(profile))
         self.records: list[RequestRecord] = []
         self.outcomes: dict[str, int] = {}
         self.queue_delays_ms: list[float] = []
@@ -174,7 +130,6 @@ class VirtualRun:
         self._waiting_sends: deque[tuple[int, str, float]] = deque()
         self._free_slots: list[int] = []
         self._slot_of: dict[int, int] = {}
-        self._next_due = 0.0
         self.t = 0.0
         self.measure_start: float | None = None
 
@@ -183,27 +138,15 @@ class VirtualRun:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, index, phase, due))
 
-    def _gap(self) -> float:
-        if self.arrival == "constant":
-            return 1.0 / self.rate
-        return self.rng.expovariate(self.rate)
-
     def _schedule_open(self, now: float) -> None:
-        """Open loop: every ticket available now gets an arrival time on the arrival clock."""
-        while True:
-            ticket = self.client.take()
-            if ticket is None:
-                return
-            index, phase = ticket
-            due = self._next_due
-            self._next_due = due + quantize(self._gap())
-            self._push(max(due, now), index, phase, due)
+        """Open loop: every ticket available now is pushed at its due time."""
+        while (ticket := self.tickets.take_ready(now)) is not None:
+            self._push(max(ticket.due, now), ticket.index, ticket.phase, ticket.due)
 
     def start(self) -> None:
-        if self.client.warmup == 0:
+        if self.tickets.warmup == 0:
             self.measure_start = 0.0
         if self.open_loop:
-            self._next_due = 0.0
             self._schedule_open(0.0)
         else:
             self._free_slots = list(range(self.cap or 1))[::-1]
@@ -211,12 +154,11 @@ class VirtualRun:
 
     def _fill_slots(self, now: float) -> None:
         while self._free_slots:
-            ticket = self.client.take()
+            ticket = self.tickets.take_ready(now)
             if ticket is None:
                 return
-            slot = self._free_slots.pop()
-            self._slot_of[ticket[0]] = slot
-            self._push(now, ticket[0], ticket[1], None)
+            self._slot_of[ticket.index] = self._free_slots.pop()
+            self._push(now, ticket.index, ticket.phase, None)
 
     def _send(self, t: float, index: int, phase: str, due: float | None) -> None:
         if self.open_loop and self.cap is not None and self.in_flight >= self.cap:
@@ -241,7 +183,7 @@ class VirtualRun:
         self.in_flight += 1
 
     def _on_done(self, t: float, index: int, phase: str) -> None:
-        opened = self.client.finished(phase)
+        opened = self.tickets.finished(phase)
         if opened:
             self.measure_start = t
             self.sched.peak_used_tokens = self.sched.used_tokens
@@ -249,8 +191,6 @@ class VirtualRun:
             if self._waiting_sends and (self.cap is None or self.in_flight < self.cap):
                 i, ph, due = self._waiting_sends.popleft()
                 self._push(t, i, ph, due)
-            if opened:
-                self._next_due = t
             self._schedule_open(t)
         else:
             slot = self._slot_of.pop(index, 0)
@@ -327,7 +267,7 @@ class VirtualRun:
                 if heap:
                     t = heap[0][0]
                     continue
-                if self.client.done and not self._waiting_sends:
+                if self.tickets.done and not self._waiting_sends:
                     break
                 raise RuntimeError("virtual run stalled: requests remain but nothing can run")
             end = t + quantize(it.duration)
@@ -363,46 +303,6 @@ class VirtualRun:
         }
 
 
-def write_records(run_dir: Path, records: list[RequestRecord]) -> None:
-    """records.jsonl and records.parquet, as ``RecordWriter`` and ``write_parquet`` write them (in one go:
-    a virtual run has nothing to lose to a crash)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from loadlab.records import arrow_types
-
-    with open(run_dir / RECORDS_JSONL, "wb") as f:
-        f.write(b"".join(r.to_json_line() for r in records))
-    types = arrow_types()
-    columns = {}
-    for name in RECORD_FIELDS:
-        values = [getattr(r, name) for r in records]
-        if name in ("arrival_ms", "arrival_tokens"):  # list columns: flat values + offsets (fast)
-            offsets = np.zeros(len(values) + 1, dtype=np.int32)
-            np.cumsum([len(v) for v in values], out=offsets[1:])
-            flat = np.fromiter(
-                itertools.chain.from_iterable(values), dtype=np.float64, count=int(offsets[-1])
-            )
-            kind = types[name].value_type
-            columns[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat).cast(kind))
-        else:
-            columns[name] = pa.array(values, type=types[name])
-    table = pa.table(columns)
-    pq.write_table(table, run_dir / RECORDS_PARQUET)
-
-
-def describe_load(profile: Profile) -> dict[str, Any]:
-    load = profile.load
-    if load.model == "open":
-        cap = load.concurrency
-        text = f"open loop, {load.rate:g} req/s ({load.arrival}), "
-        text += f"at most {cap} in flight" if cap is not None else "no cap on requests in flight"
-        return {"model": "open", "concurrency": cap, "rate": load.rate, "arrival": load.arrival,
-                "description": text + " (virtual time)"}  # fmt: skip
-    return {"model": "closed", "concurrency": load.concurrency, "rate": None,
-            "description": f"closed loop, {load.concurrency} in flight (virtual time)"}  # fmt: skip
-
-
 def simulate(profile: Profile, sim_settings: dict[str, Any] | None = None) -> VirtualRun:
     """Runs a profile in virtual time without writing anything; ``.records`` holds the records."""
     settings = resolve_settings(dict(sim_settings or {}))
@@ -424,72 +324,52 @@ def run_virtual(
 
     ``sim_settings`` are server settings under SGLang's names (``max_running_requests``, ``gpu``, ...),
     as in a profile's ``target.embedded``; unset ones take the server's defaults."""
-    from loadlab.analysis.report import write_report
-
     wall0 = time.perf_counter()
     settings = resolve_settings(dict(sim_settings or {}))
     out_root = Path(out_root)
     out_root.mkdir(parents=True, exist_ok=True)
     run_dir = out_root / unique_run_name(out_root, run_name or default_run_name(profile.name, "-virtual"))
     run_dir.mkdir(parents=True)
-    run_id = run_dir.name
-    epoch = math.floor(time.time())
-    shown = {k: v for k, v in settings.items() if k not in ("host", "port", "log_level")}
-    manifest: dict[str, Any] = {
-        "run_id": run_id,
-        "profile_path": profile_path,
-        "profile": profile.model_dump(mode="json"),
-        "target": {
-            "url": "virtual",
-            "embedded": False,
-            "virtual": True,
-            "embedded_settings": dict(sim_settings or {}),
-            "server_info": dict(shown, version=f"{SIM_VERSION} (virtual time)", loadlab_sim=True),
-        },
-        "model": settings["served_model_name"],
-        "load": describe_load(profile),
-        "virtual": True,
-        "sim": shown,
-        "started_wall": epoch,
-        "ended_wall": None,
-        "complete": False,
-        "counts": {
-            "warmup_expected": profile.requests.warmup,
-            "measured_expected": profile.requests.measured,
-        },
-        "versions": {
-            "loadlab": loadlab.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
-        "command": command if command is not None else list(sys.argv),
-    }
+    epoch = math.floor(time.time())  # an integer epoch: epoch + virtual time stays exact (sim.clock)
+    shown = {k: v for k, v in settings.items() if k not in PROCESS_SETTINGS}
+    requests = profile.requests
+    manifest = Manifest(
+        run_id=run_dir.name,
+        profile_path=profile_path,
+        profile=profile.model_dump(mode="json"),
+        target=TargetInfo(
+            url="virtual",
+            virtual=True,
+            embedded_settings=dict(sim_settings or {}),
+            server_info=dict(shown, version=f"{SIM_VERSION} (virtual time)", loadlab_sim=True),
+        ),
+        model=settings["served_model_name"],
+        # One "user" per request in flight: the cap, or every request when there is none.
+        load=describe_load(
+            profile, profile.load.concurrency or requests.warmup + requests.measured, virtual=True
+        ),
+        virtual=True,
+        sim=shown,
+        started_wall=epoch,
+        counts=Counts(warmup_expected=requests.warmup, measured_expected=requests.measured),
+        versions=software_versions(),
+        command=command if command is not None else list(sys.argv),
+    )
     write_manifest(run_dir, manifest)
-    vr = VirtualRun(profile, settings, run_id, float(epoch))
+    vr = VirtualRun(profile, settings, run_dir.name, float(epoch))
     vr.run()
     write_records(run_dir, vr.records)
-    c = vr.client
-    manifest.update(
-        ended_wall=epoch + vr.t,
-        complete=c.done,
-        counts={
-            **manifest["counts"],
-            "warmup_finished": c.warmup_finished,
-            "measured_finished": c.measured_finished,
-            "records": len(vr.records),
-            "outcomes": vr.outcomes,
-        },
-        virtual_stats=dict(vr.stats(), wall_s=time.perf_counter() - wall0),
-    )
+    t = vr.tickets
+    manifest.ended_wall = epoch + vr.t
+    manifest.complete = t.done
+    manifest.counts = manifest.counts.model_copy(
+        update=dict(warmup_finished=t.warmup_finished, measured_finished=t.measured_finished,
+                    records=len(vr.records), outcomes=vr.outcomes)
+    )  # fmt: skip
+    manifest.virtual_stats = VirtualStats(**vr.stats(), wall_s=time.perf_counter() - wall0)
     write_manifest(run_dir, manifest)
     write_report(run_dir)
     return run_dir
 
 
-__all__ = [
-    "VirtualRun",
-    "describe_load",
-    "run_virtual",
-    "simulate",
-    "write_records",
-]
+__all__ = ["VirtualRun", "run_virtual", "simulate"]

@@ -78,8 +78,8 @@ class LoadlabRun:
 
         return load_records(self.run_dir)
 
-    def manifest(self) -> dict:
-        from loadlab.records import read_manifest
+    def manifest(self):
+        from loadlab.manifest import read_manifest
 
         return read_manifest(self.run_dir)
 

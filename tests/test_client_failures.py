@@ -89,8 +89,8 @@ def _checked_records(run, expected_count):
     assert run.returncode == 0, run.explain()
     assert run.run_dir is not None and run.run_dir.is_dir(), run.explain()
     manifest = run.manifest()
-    assert manifest["complete"] is True, manifest
-    assert manifest["counts"]["records"] == expected_count
+    assert manifest.complete is True, manifest
+    assert manifest.counts.records == expected_count
     df = run.records()
     assert len(df) == expected_count, df[["index", "outcome", "error"]].to_string()
     assert sorted(df["index"]) == list(range(expected_count))
@@ -246,13 +246,13 @@ def test_run_time_limit_cancels_in_flight_requests(runs):
     assert run.returncode == 1, run.explain()
     assert run.run_dir is not None and run.run_dir.is_dir(), run.explain()
     manifest = run.manifest()
-    assert manifest["complete"] is False
+    assert manifest.complete is False
     # The run stopped at -t (2 s after the test started), not when the 30 s requests would have ended.
-    assert manifest["ended_wall"] - manifest["started_wall"] < 20, manifest
+    assert manifest.ended_wall - manifest.started_wall < 20, manifest
     df = run.records()
     # The three requests in flight when -t ran out are recorded as cancelled, with what they received.
     assert len(df) == 3, df[["index", "outcome", "error"]].to_string()
-    assert manifest["counts"]["records"] == 3
+    assert manifest.counts.records == 3
     assert sorted(df["index"]) == [0, 1, 2]
     assert (df.outcome == "cancelled").all(), df[["index", "outcome", "error"]].to_string()
     for rec in df.itertuples():

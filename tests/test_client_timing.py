@@ -48,7 +48,7 @@ def test_client_timing(scripted_server, tmp_path, case, users, warmup, measured,
     assert run.returncode == 0, run.explain()
     assert run.run_dir is not None and run.run_dir.is_dir(), run.explain()
     manifest = run.manifest()
-    assert manifest["complete"] is True
+    assert manifest.complete is True
     df = run.records()
 
     # Exactly the requested records: every index once, warm-up first and marked as such.

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from loadlab.records import RECORDS_JSONL, read_jsonl_records, read_manifest
+from loadlab.manifest import read_manifest
+from loadlab.records import RECORDS_JSONL, read_jsonl_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +61,7 @@ def test_sigkill_mid_run_leaves_a_reportable_partial_run(tmp_path):
     assert len(written) >= 20
     assert len({r["index"] for r in written}) == len(written)  # each request once
     manifest = read_manifest(run_dir)
-    assert manifest["complete"] is False  # the start-of-run manifest says so until the end rewrites it
+    assert manifest.complete is False  # the start-of-run manifest says so until the end rewrites it
 
     # The embedded server dies with its parent.
     deadline = time.monotonic() + 10
@@ -99,10 +100,10 @@ def _wait_for_records(tmp_path, count, timeout_s=60):
 def _assert_cut_short_cleanly(run_dir, proc_stderr):
     assert "Traceback" not in proc_stderr, proc_stderr[-3000:]
     manifest = read_manifest(run_dir)
-    assert manifest["complete"] is False
+    assert manifest.complete is False
     written = read_jsonl_records(run_dir / RECORDS_JSONL)
     assert len({r["index"] for r in written}) == len(written)
-    assert manifest["counts"]["records"] == len(written)
+    assert manifest.counts.records == len(written)
     outcomes = {r["outcome"] for r in written}
     assert "cancelled" in outcomes, outcomes  # the in-flight requests are recorded, not lost
     assert outcomes <= {"ok", "cancelled"}, outcomes  # and the server was not killed under them

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadlab.records import load_records, read_manifest
+from loadlab.manifest import read_manifest
+from loadlab.records import load_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,8 +45,8 @@ def test_main_command_writes_a_report(tmp_path):
     assert str(run_dir / "summary.md") in proc.stderr  # it says where the report is
     summary = json.loads((run_dir / "summary.json").read_text())
     manifest = read_manifest(run_dir)
-    assert manifest["complete"] is True
-    measured = manifest["profile"]["requests"]["measured"]
+    assert manifest.complete is True
+    measured = manifest.profile["requests"]["measured"]
     assert summary["completed"] == measured and summary["failed"] == 0
     records = load_records(run_dir)
     measure = records[records.phase == "measure"]
@@ -121,7 +122,7 @@ def test_locust_users_flag_overrides_the_profile_concurrency(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = list(tmp_path.iterdir())
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert read_manifest(run_dir)["load"]["concurrency"] == 4
+    assert read_manifest(run_dir).load.concurrency == 4
     assert summary["in_flight"]["max"] == 4 and summary["completed"] == 24
     # The report states the load that was applied, not the profile's 16.
     assert summary["max_concurrency"] == 4 and summary["load_model"] == "closed loop, 4 in flight"

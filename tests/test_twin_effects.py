@@ -50,9 +50,10 @@ def test_open_loop_above_capacity_tail_explodes_and_grows_with_run_length():
     long = ttft(simulate(profile(wl, load, 1200), {"max_running_requests": 256}))
     p50, p99 = np.percentile(short, [50, 99])
     assert p99 / p50 > 5
-    # The longer the test, the longer the queue: both the median and the tail grow.
+    # The longer the test, the longer the queue: both the median and the tail grow. (Doubling the run grew
+    # the P99 by 1.8x to 4.9x over seeds 0-4; below capacity it would not grow at all.)
     lp50, lp99 = np.percentile(long, [50, 99])
-    assert lp99 > 2 * p99 and lp50 > 5 * p50
+    assert lp99 > 1.5 * p99 and lp50 > 5 * p50
     # Below capacity the tail stays short whatever the length.
     calm = ttft(simulate(profile(wl, {"model": "open", "rate": 8.0}, 600), {"max_running_requests": 256}))
     assert np.percentile(calm, 99) < 0.2 * p99

@@ -12,13 +12,12 @@ import pytest
 import yaml
 
 from loadlab.cli import main as loadlab_main
+from loadlab.manifest import read_manifest
 from loadlab.profile import validate_profile
-from loadlab.records import RECORD_FIELDS, load_records, read_manifest
+from loadlab.records import RECORD_FIELDS, load_records
 from loadlab.virtual import run_virtual, simulate
 
 REPO = Path(__file__).resolve().parents[1]
-SWARM_MANIFEST_KEYS = {"run_id", "profile_path", "profile", "target", "model", "load", "started_wall", "ended_wall",
-                       "complete", "counts", "versions", "command"}  # fmt: skip
 
 
 def rag_profile(**load):
@@ -41,14 +40,14 @@ def test_run_directory_matches_a_real_run(tmp_path):
     for name in ("records.jsonl", "records.parquet", "manifest.json", "summary.json", "summary.md"):
         assert (run_dir / name).exists(), name
     m = read_manifest(run_dir)
-    assert set(m) >= SWARM_MANIFEST_KEYS
-    assert m["virtual"] is True and m["complete"] is True
-    assert m["sim"]["max_running_requests"] == 4 and m["sim"]["gpu"] == "a100-80gb"
-    assert m["load"]["model"] == "closed" and m["load"]["concurrency"] == 6 and m["load"]["rate"] is None
-    assert "description" in m["load"]
-    assert m["counts"] == {"warmup_expected": 6, "measured_expected": 40, "warmup_finished": 6,
+    assert m.target.virtual and m.target.url == "virtual"  # the one Manifest type a real run writes too
+    assert m.virtual is True and m.complete is True
+    assert m.sim["max_running_requests"] == 4 and m.sim["gpu"] == "a100-80gb"
+    assert m.load.model == "closed" and m.load.concurrency == 6 and m.load.rate is None
+    assert m.load.description
+    assert m.counts.model_dump(exclude_none=True) == {"warmup_expected": 6, "measured_expected": 40, "warmup_finished": 6,
                            "measured_finished": 40, "records": 46, "outcomes": {"ok": 46}}  # fmt: skip
-    assert m["virtual_stats"]["num_retractions_total"] == 0
+    assert m.virtual_stats.num_retractions_total == 0
 
     df = load_records(run_dir)
     assert list(df.columns) == list(RECORD_FIELDS)
@@ -98,7 +97,7 @@ def test_open_loop_arrivals_and_queue_limit(tmp_path):
     refused = df[df.outcome == "http_error"]
     assert len(refused) > 0 and (refused.http_status == 503).all()
     m = read_manifest(run_dir)
-    assert m["load"]["model"] == "open" and m["load"]["rate"] == 200.0
+    assert m.load.model == "open" and m.load.rate == 200.0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["failures"] == {"http_error": int((refused.phase == "measure").sum())}
     assert summary["load_model"].startswith("open loop, 200 req/s")
@@ -127,18 +126,18 @@ def test_cli_virtual(tmp_path):
     run_dir = Path(proc.stdout.strip().splitlines()[-1])
     assert run_dir.parent == out and "virtual run complete" in proc.stderr
     m = read_manifest(run_dir)
-    assert m["sim"]["max_running_requests"] == 3  # the flag beats the profile's target.embedded
-    assert m["sim"]["enable_metrics"] is True  # the rest of target.embedded applies
-    assert m["sim"]["gpu"] == "h100-80gb" and m["counts"]["measured_finished"] == 30
-    assert m["load"]["concurrency"] == 4 and m["profile"]["load"]["concurrency"] == 4
-    assert m["command"][:3] == ["loadlab", "sim", "--virtual"]
+    assert m.sim["max_running_requests"] == 3  # the flag beats the profile's target.embedded
+    assert m.sim["enable_metrics"] is True  # the rest of target.embedded applies
+    assert m.sim["gpu"] == "h100-80gb" and m.counts.measured_finished == 30
+    assert m.load.concurrency == 4 and m.profile["load"]["concurrency"] == 4
+    assert m.command[:3] == ["loadlab", "sim", "--virtual"]
     proc = subprocess.run(
         [sys.executable, "-m", "loadlab.cli", "sim", "--virtual", str(path), "--out", str(out), "--rate", "50"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     m = read_manifest(Path(proc.stdout.strip().splitlines()[-1]))
-    assert m["load"] == {"model": "open", "concurrency": None, "rate": 50.0, "arrival": "poisson",
+    assert m.load.model_dump() == {"model": "open", "concurrency": None, "rate": 50.0, "arrival": "poisson", "users": 12,
                          "description": "open loop, 50 req/s (poisson), no cap on requests in flight (virtual time)"}  # fmt: skip
     for bad in (["--virtual", str(tmp_path / "missing.yaml")], ["--rate", "3"], ["--virtual", str(path), "--rate", "0"],
                 ["--virtual", str(path), "--model", "llama-3.1-70b", "--tp-size", "1"]):  # fmt: skip

@@ -12,7 +12,8 @@ import pandas as pd
 from loadlab.analysis.html import REPORT_HTML, render_html
 from loadlab.analysis.metrics import compute_summary
 from loadlab.analysis.server_metrics import read_server_metrics
-from loadlab.records import RECORD_FIELDS, RECORDS_JSONL, RECORDS_PARQUET, load_records, read_manifest
+from loadlab.manifest import read_manifest
+from loadlab.records import RECORD_FIELDS, RECORDS_JSONL, RECORDS_PARQUET, load_records
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
@@ -37,7 +38,8 @@ def write_report(run_dir: Path, html: bool = True) -> dict[str, Any]:
     df = load_records(run_dir) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
     server_rows = read_server_metrics(run_dir)
     samples: dict = {}
-    summary = compute_summary(df, read_manifest(run_dir), server_rows, samples)
+    manifest = read_manifest(run_dir)
+    summary = compute_summary(df, manifest.model_dump(mode="json") if manifest else {}, server_rows, samples)
     summary["records_source"] = source
     markdown = render_markdown(summary)
     _write_atomic(run_dir / SUMMARY_JSON, json.dumps(summary, indent=2, allow_nan=False) + "\n")

@@ -40,16 +40,15 @@ from locust.runners import STATE_MISSING
 
 from loadlab import exits
 from loadlab.load import Ticket
+from loadlab.manifest import MANIFEST, LoadGenerator, Manifest, write_manifest
 from loadlab.profile import ProfileError, validate_profile
 from loadlab.records import (
     CANCELLED,
-    MANIFEST,
     MEASURE,
     SPILL_DIR,
     RecordWriter,
     RequestRecord,
     spill_name,
-    write_manifest,
 )
 from loadlab.swarm.calibration import ClientMonitor
 from loadlab.target.probe import TargetError, probe
@@ -104,7 +103,7 @@ class Coordinator:
         self.target_url = target_url
         self.drain_done = False
         self.drained = {}
-        run.manifest["load_generators"] = self.load_generators()
+        run.manifest.load_generators = self.load_generators()
         self._send_run(None)
 
     def _send_run(self, worker: str | None) -> None:
@@ -116,11 +115,11 @@ class Coordinator:
             {
                 "run_id": run.run_id,
                 "rid_prefix": run.rid_prefix,
-                "profile": run.manifest["profile"],
-                "profile_path": run.manifest["profile_path"],
+                "profile": run.manifest.profile,
+                "profile_path": run.manifest.profile_path,
                 "target_url": self.target_url,
                 "model": run.model,
-                "manifest": run.manifest,
+                "manifest": run.manifest.model_dump(mode="json"),
             },
             client_id=worker,
         )
@@ -129,7 +128,7 @@ class Coordinator:
         if self.run is not None and not self.run.finalized and not self.drain_done:
             self._send_run(client_id)
 
-    def load_generators(self) -> list[dict[str, Any]]:
+    def load_generators(self) -> list[LoadGenerator]:
         """Per worker: clock offset, records received, requests lost in flight on it."""
         lost: dict[str, int] = defaultdict(int)
         if self.run is not None:
@@ -137,14 +136,14 @@ class Coordinator:
                 lost[item["worker"]] += 1
         ids = set(self.clocks) | set(self.records_from) | set(lost)
         return [
-            {
-                "worker_id": w,
+            LoadGenerator(
+                worker_id=w,
                 **self.clocks.get(w, {}),
-                "records": self.records_from.get(w, 0),
-                "lost_in_flight": lost.get(w, 0),
-                "record_batches_missing": self.gaps.get(w, 0),
-                "gone": w in self.gone,
-            }
+                records=self.records_from.get(w, 0),
+                lost_in_flight=lost.get(w, 0),
+                record_batches_missing=self.gaps.get(w, 0),
+                gone=w in self.gone,
+            )
             for w in sorted(ids)
         ]
 
@@ -336,7 +335,8 @@ class WorkerRun:
         run_dir = Path(agent.out_root) / self.run_id
         (run_dir / SPILL_DIR).mkdir(parents=True, exist_ok=True)
         if not (run_dir / MANIFEST).exists():  # another host than the master's: make the spill reportable
-            write_manifest(run_dir, {**data["manifest"], "spill_of_worker": self.worker_id})
+            manifest = Manifest.model_validate({**data["manifest"], "spill_of_worker": self.worker_id})
+            write_manifest(run_dir, manifest)
         self.spill = RecordWriter(run_dir / SPILL_DIR, spill_name(self.worker_id))
         self.pending: list[RequestRecord] = []
         self.seq = 0

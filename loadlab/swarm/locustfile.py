@@ -18,6 +18,7 @@ from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
 from loadlab import exits
+from loadlab.manifest import TargetInfo
 from loadlab.profile import ProfileError, load_profile
 from loadlab.swarm.calibration import ClientMonitor
 from loadlab.swarm.distributed import Coordinator, WorkerAgent
@@ -88,12 +89,12 @@ class _Session:
         wait = self.environment.parsed_options.target_wait
         found = probe(url, need_model=target.api != "generate" and not target.model, wait_s=wait)
         self.model = target.model or found["model"]
-        self.target_info = {
-            "url": url,
-            "embedded": self.embedded is not None and url == self.embedded.url,
-            "embedded_settings": target.embedded if self.embedded else None,
-            "server_info": found["server_info"],
-        }
+        self.target_info = TargetInfo(
+            url=url,
+            embedded=self.embedded is not None and url == self.embedded.url,
+            embedded_settings=target.embedded if self.embedded else None,
+            server_info=found["server_info"],
+        )
 
     def stop_embedded(self) -> None:
         if self.embedded is not None:
@@ -143,7 +144,7 @@ def _on_test_start(environment, **_kw):
         return
     opts = environment.parsed_options
     try:
-        if environment.host != session.target_info["url"]:  # changed in the web UI
+        if environment.host != session.target_info.url:  # changed in the web UI
             session.use_target(environment.host)
         run = Run(
             session.profile,
@@ -250,7 +251,7 @@ def _on_quitting(environment, **_kw):
         # (unless a worker already set the status: 3 when it could not reach the target).
         if environment.process_exit_code is None:
             environment.process_exit_code = 0 if run.complete else 1
-        client_bound = (run.manifest.get("client") or {}).get("client_bound")
+        client_bound = run.manifest.client is not None and run.manifest.client.client_bound
         if client_bound and environment.parsed_options.strict and environment.process_exit_code == 0:
             environment.process_exit_code = exits.CLIENT_BOUND
     session.stop_embedded()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import platform
 import sys
 import time
 import uuid
@@ -13,9 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import gevent
+import locust
 
-import loadlab
-from loadlab.load import Arrivals, Tickets
+from loadlab.load import Tickets, arrivals_for, describe_load
+from loadlab.manifest import (
+    ClientVerdict,
+    Counts,
+    LostRequest,
+    Manifest,
+    TargetInfo,
+    software_versions,
+    write_manifest,
+)
 from loadlab.profile import Profile
 from loadlab.records import (
     OK,
@@ -26,7 +34,6 @@ from loadlab.records import (
     read_jsonl_records,
     unique_run_name,
     worker_id,
-    write_manifest,
     write_parquet,
 )
 from loadlab.swarm.calibration import verdict
@@ -46,7 +53,7 @@ class Run:
         renderer,
         out_root: str,
         run_name: str | None,
-        target: dict[str, Any],
+        target: TargetInfo,
         model: str | None,
         users: int,
         argv: list[str],
@@ -56,9 +63,7 @@ class Run:
         self.model = model
         self.workload = workload
         self.renderer = renderer
-        load = profile.load
-        arrivals = Arrivals(load.rate, load.arrival, profile.seed) if load.model == "open" else None
-        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals)
+        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals_for(profile))
         self.dir = Path(out_root) / unique_run_name(out_root, run_name or default_run_name(profile.name))
         self.dir.mkdir(parents=True)
         self.run_id = self.dir.name
@@ -75,23 +80,20 @@ class Run:
         self.scraper = None  # the target's /metrics scraper process (loadlab.target.scraper)
         self.client_limits = (DEFAULT_LIMIT_MS, DEFAULT_LIMIT_CPU)
         self.finalized = False
-        self.manifest: dict[str, Any] = {
-            "run_id": self.run_id,
-            "profile_path": profile_path,
-            "profile": profile.model_dump(mode="json"),
-            "target": target,
-            "model": model,
-            "load": describe_applied_load(profile, users),
-            "started_wall": time.time(),
-            "ended_wall": None,
-            "complete": False,
-            "counts": {
-                "warmup_expected": profile.requests.warmup,
-                "measured_expected": profile.requests.measured,
-            },
-            "versions": _versions(),
-            "command": argv,
-        }
+        self.manifest = Manifest(
+            run_id=self.run_id,
+            profile_path=profile_path,
+            profile=profile.model_dump(mode="json"),
+            target=target,
+            model=model,
+            load=describe_load(profile, users),
+            started_wall=time.time(),
+            counts=Counts(
+                warmup_expected=profile.requests.warmup, measured_expected=profile.requests.measured
+            ),
+            versions=software_versions(locust=locust.__version__, gevent=gevent.__version__),
+            command=argv,
+        )
         write_manifest(self.dir, self.manifest)
 
     def record(self, rec) -> None:
@@ -118,7 +120,7 @@ class Run:
         """One line: where the run is, what failed, and when it should end."""
         t = self.tickets
         now = time.time()
-        elapsed = now - self.manifest["started_wall"]
+        elapsed = now - self.manifest.started_wall
         failed = self.writer.count - self.outcomes.get(OK, 0)
         if not t.warmup_done.is_set():
             return f"warm-up {t.warmup_finished}/{t.warmup} done, {failed} failed, {elapsed:.0f} s elapsed"
@@ -145,40 +147,34 @@ class Run:
         recovered = self._merge_spills()
         write_parquet(self.dir)
         t = self.tickets
-        self.manifest.update(
-            ended_wall=time.time(),
-            complete=self.complete,
-            counts={
-                **self.manifest["counts"],
-                "warmup_finished": t.warmup_finished,
-                "measured_finished": t.measured_finished,
-                "records": self.writer.count + recovered,
-                "outcomes": self.outcomes,
-                "lost_in_flight": len(self.lost),
-                "recovered_from_spills": recovered,
-            },
-            lost_in_flight=[{"index": i, **v} for i, v in sorted(self.lost.items())],
-        )
+        m = self.manifest
+        m.ended_wall = time.time()
+        m.complete = self.complete
+        m.counts = m.counts.model_copy(
+            update=dict(warmup_finished=t.warmup_finished, measured_finished=t.measured_finished,
+                        records=self.writer.count + recovered, outcomes=self.outcomes,
+                        lost_in_flight=len(self.lost), recovered_from_spills=recovered)
+        )  # fmt: skip
+        m.lost_in_flight = [LostRequest(index=i, **v) for i, v in sorted(self.lost.items())]
         generators = []
         if calibration is not None:
             generators.append({"worker_id": self.worker_id, **calibration})
         if self.coordinator is not None:
-            self.manifest["load_generators"] = self.coordinator.load_generators()
+            m.load_generators = self.coordinator.load_generators()
             generators += self.coordinator.calibrations()
-            if self.coordinator.failure:
-                self.manifest["failure"] = self.coordinator.failure
+            m.failure = self.coordinator.failure
         if generators:
-            self.manifest["client"] = verdict(generators, *self.client_limits)
+            m.client = ClientVerdict.model_validate(verdict(generators, *self.client_limits))
         write_manifest(self.dir, self.manifest)
         from loadlab.analysis.report import write_report
 
         summary = write_report(self.dir)
-        client = self.manifest.get("client") or {}
-        if client.get("client_bound"):
+        client = self.manifest.client
+        if client is not None and client.client_bound:
             log.warning(
                 "loadlab: CLIENT-BOUND: %s. The latencies include the load generator's own delay: add workers "
                 "(loadlab run --workers N) or lower the load per process.",
-                "; ".join(client["reasons"]),
+                "; ".join(client.reasons),
             )
         state = "complete" if self.complete else "PARTIAL (stopped before every request finished)"
         ok = self.outcomes.get(OK, 0)
@@ -217,33 +213,3 @@ class Run:
             with contextlib.suppress(OSError):
                 spill.rmdir()
         return len(added)
-
-
-def describe_applied_load(profile: Profile, users: int) -> dict[str, Any]:
-    """The load the run applies: Locust's user count is the closed loop's concurrency, or open loop's cap."""
-    load = profile.load
-    if load.model == "closed":
-        return {"model": "closed", "concurrency": users, "description": f"closed loop, {users} in flight"}
-    # No cap asked and a user for every request: nothing in the client limits requests in flight.
-    uncapped = load.concurrency is None and users >= profile.requests.warmup + profile.requests.measured
-    cap = "no cap on requests in flight" if uncapped else f"at most {users} in flight"
-    return {
-        "model": "open",
-        "rate": load.rate,
-        "arrival": load.arrival,
-        "concurrency": None if uncapped else users,
-        "users": users,
-        "description": f"open loop, {load.rate:g} req/s ({load.arrival}), {cap}",
-    }
-
-
-def _versions() -> dict[str, str]:
-    import locust
-
-    return {
-        "loadlab": loadlab.__version__,
-        "locust": locust.__version__,
-        "gevent": gevent.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
