@@ -31,21 +31,26 @@ class Ticket(NamedTuple):
 
 class Arrivals:
     """Open-loop due times: ``rate`` per second, Poisson or evenly spaced, from a seeded generator.
-    ``due(now)`` is the next due time on the caller's clock; after ``restart()`` the next one is ``now``."""
+    ``due(now)`` is the next due time on the caller's clock: the phase's start (``now`` at the first call
+    after ``restart()``) plus an offset that sums gaps on the virtual clock's grid, so the offsets are
+    exact and the same whatever the clock."""
 
     def __init__(self, rate: float, arrival: str, seed: int):
         self.rate = rate
         self.constant = arrival == "constant"
         self.rng = random.Random(f"loadlab-arrivals-{seed}")  # salt: never change (it fixes every due time)
-        self.next_due: float | None = None
+        self.start: float | None = None
+        self.offset = 0.0
 
     def restart(self) -> None:
-        self.next_due = None
+        self.start = None
 
     def due(self, now: float) -> float:
-        due = now if self.next_due is None else self.next_due
+        if self.start is None:
+            self.start, self.offset = now, 0.0
+        due = self.start + self.offset
         gap = 1.0 / self.rate if self.constant else self.rng.expovariate(self.rate)
-        self.next_due = due + quantize(gap)  # on the virtual clock's grid: the same sums in both drivers
+        self.offset += quantize(gap)
         return due
 
 
