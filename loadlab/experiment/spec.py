@@ -17,8 +17,8 @@ from loadlab.profile import NonNegativeInt, PositiveInt, ProfileError, load_prof
 
 DEFAULT_URL = "http://127.0.0.1:{port}"
 DEFAULT_READY_TIMEOUT_S = 600.0
-KEY_OF = {"overrides": "set"}  # a SweepSpec field -> its key in the sweep file, for error messages
 KEYS = ("name", "profile", "axes", "repeats", "launch", "url", "ready_timeout_s", "set", "slo", "refine")
+KEY_OF = {"overrides": "set"}  # a SweepSpec field -> its key in the sweep file, for error messages
 
 
 class SweepError(ProfileError):
@@ -60,11 +60,6 @@ class SweepSpec(BaseModel):
     refine: NonNegativeInt = Field(
         0, description="values added on each side of the knee after the coarse sweep"
     )
-
-    @property
-    def server_axes(self) -> list[str]:
-        """The axes that are server arguments ({placeholders} of launch), not profile keys."""
-        return [a for a in self.axes if "." not in a]
 
     def configurations(self) -> list[dict[str, Any]]:
         """The coarse configurations: the product of the axes."""
