@@ -227,11 +227,12 @@ def _cmd_compare(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    from loadlab.experiment.sweep import load_sweep, run_sweep
+    from loadlab.experiment.runner import run_sweep
+    from loadlab.experiment.spec import load_sweep
     from loadlab.target.probe import TargetError
 
     spec = load_sweep(args.sweep_file)
-    out = Path(args.out or Path("reports") / f"sweep-{spec['name']}")
+    out = Path(args.out or Path("reports") / f"sweep-{spec.name}")
     try:
         return run_sweep(spec, out, args.locust_args and ["--", *args.locust_args])
     except TargetError as e:
@@ -240,15 +241,15 @@ def _cmd_sweep(args) -> int:
 
 
 def _cmd_validate(args) -> int:
-    from loadlab.experiment.sweep import configurations, is_sweep_file, load_sweep
+    from loadlab.experiment.spec import is_sweep_file, load_sweep
 
     for path in args.profiles:
         if is_sweep_file(path):
             spec = load_sweep(path)
-            n = len(configurations(spec["axes"]))
-            refine = f", then {spec['refine']} more per side of the knee" if spec["refine"] else ""
+            n = len(spec.configurations())
+            refine = f", then {spec.refine} more per side of the knee" if spec.refine else ""
             print(
-                f"{path}: ok (sweep: {n} configurations x {spec['repeats']} repeats of {spec['profile']}{refine})"
+                f"{path}: ok (sweep: {n} configurations x {spec.repeats} repeats of {spec.profile}{refine})"
             )
             continue
         profile = load_profile(path)

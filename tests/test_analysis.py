@@ -549,7 +549,9 @@ def test_report_html_renders_with_its_plots_and_the_warm_up_shaded(tmp_path):
 
 @needs_chromium
 def test_sweep_html_renders_its_curves_and_slo_lines(tmp_path):
-    from loadlab.experiment.sweep import COLUMNS, choose, render_html
+    from loadlab.experiment.aggregate import COLUMNS, choose
+    from loadlab.experiment.render import render_html
+    from loadlab.experiment.spec import SweepSpec
 
     def row(limit, thr, ttft, tpot):
         values = {"output tok/s": thr, "TTFT P95 ms": ttft, "TPOT P95 ms": tpot, "max running": 32}
@@ -563,10 +565,16 @@ def test_sweep_html_renders_its_curves_and_slo_lines(tmp_path):
         row(128, 2200, 2800, 60),
         row(256, 2250, 5000, 90),
     ]
-    spec = {"name": "s", "profile": "p.yaml", "repeats": 3, "axes": {"max_running_requests": [32, 64, 128, 256]},
-            "slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 100}}  # fmt: skip
+    spec = SweepSpec(
+        name="s",
+        file="s.yaml",
+        profile="p.yaml",
+        repeats=3,
+        axes={"max_running_requests": [32, 64, 128, 256]},
+        slo={"ttft_p95_ms": 3000, "tpot_p95_ms": 100},
+    )
     page = tmp_path / "sweep.html"
-    page.write_text(render_html(spec, {"rows": rows, **choose(spec, rows)}))
+    page.write_text(render_html(spec, {"rows": rows, **choose(rows, spec.slo)}))
     shot = render_or_skip(page, tmp_path / "sweep.png")
     assert colour_pixels(shot, PLOT_BLUE).sum() > 1000  # the three curves
     assert colour_pixels(shot, (255, 0, 0), tolerance=0.1).sum() > 300  # the two SLO lines

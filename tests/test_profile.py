@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from loadlab.experiment.spec import load_sweep
 from loadlab.profile import ProfileError, load_profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,25 +42,21 @@ def write(tmp_path: Path, text: str) -> Path:
 @pytest.mark.parametrize("path", PROFILES, ids=[p.name for p in PROFILES])
 def test_shipped_profiles_are_valid(path):
     if "axes" in yaml.safe_load(path.read_text()):  # a sweep file: its base profile must load too
-        from loadlab.experiment.sweep import load_sweep
-
         spec = load_sweep(path)
-        assert spec["repeats"] >= 1 and spec["launch"][0] == "loadlab"
+        assert spec.repeats >= 1 and spec.launch[0] == "loadlab"
         return
     profile = load_profile(path)
     assert profile.requests.measured > 0
 
 
 def test_the_seed_sweep_is_the_seed_experiment():
-    from loadlab.experiment.sweep import load_sweep
-
     spec = load_sweep(REPO / "profiles" / "seed-batch-sweep.yaml")
-    assert spec["axes"] == {"max_running_requests": [32, 64, 128, 256, 512]} and spec["repeats"] == 3
-    assert spec["slo"] == {"ttft_p95_ms": 3000, "tpot_p95_ms": 100} and spec["warmup"] == 200
-    assert load_sweep(REPO / "profiles" / "seed-batch-sweep-open.yaml")["set"][:2] == [
+    assert spec.axes == {"max_running_requests": (32, 64, 128, 256, 512)} and spec.repeats == 3
+    assert spec.slo == {"ttft_p95_ms": 3000, "tpot_p95_ms": 100} and spec.warmup == 200
+    assert load_sweep(REPO / "profiles" / "seed-batch-sweep-open.yaml").overrides[:2] == (
         "load.model=open",
         "load.rate=32",
-    ]
+    )
 
 
 def test_rag_profile_is_the_seed_experiment():

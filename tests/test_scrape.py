@@ -136,8 +136,8 @@ def test_a_cluster_is_summed_per_scrape_round():
 
 
 def test_metrics_urls_scrapes_every_server_listed(tmp_path):
-    from loadlab.experiment.sweep import LaunchedServer
     from loadlab.procs import free_port
+    from loadlab.target.launch import LaunchedServer
 
     servers = []
     try:

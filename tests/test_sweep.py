@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from loadlab.experiment.sweep import SweepError, choose, knee_index, load_sweep, refine_configs
+from loadlab.experiment import runner
+from loadlab.experiment.aggregate import choose, knee_index, refine_configs
+from loadlab.experiment.spec import SweepError, load_sweep
 from loadlab.target.probe import TargetError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +85,7 @@ def test_choice_rejects_with_reasons_and_the_knee_is_where_throughput_stops_grow
         row(128, 2200, 2800, 60),
         row(256, 2250, 5000, 90),
     ]
-    result = choose({"slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 100}}, rows)
+    result = choose(rows, {"ttft_p95_ms": 3000, "tpot_p95_ms": 100})
     assert result["knee"] == "max_running_requests=128"  # 256 adds only 2%
     assert result["choice"] == "max_running_requests=128"  # the fastest that meets the SLO
     assert result["rejected"] == [
@@ -97,18 +99,18 @@ def test_refine_adds_values_on_a_log_scale_between_the_knee_and_its_neighbours()
                 "values": {"output tok/s": {"median": thr, "min": thr, "max": thr}}}  # fmt: skip
 
     rows = [row(32, 1000), row(64, 1500), row(128, 1550), row(256, 1560)]  # knee at 64 (128 adds 3%)
-    added = [c["max_running_requests"] for c in refine_configs({"refine": 1}, rows)]
+    added = [c["max_running_requests"] for c in refine_configs(rows, 1)]
     assert added == [45, 91]  # 32*sqrt(2), 64*sqrt(2)
-    added = [c["max_running_requests"] for c in refine_configs({"refine": 2}, rows)]
+    added = [c["max_running_requests"] for c in refine_configs(rows, 2)]
     assert added == [40, 51, 81, 102]
     # The knee at the first value refines upward only; values already swept are not added again.
-    assert refine_configs({"refine": 1}, [row(32, 1000), row(64, 1010)]) == [{"max_running_requests": 45}]
-    assert refine_configs({"refine": 3}, [row(1, 10), row(2, 10)]) == []
+    assert refine_configs([row(32, 1000), row(64, 1010)], 1) == [{"max_running_requests": 45}]
+    assert refine_configs([row(1, 10), row(2, 10)], 3) == []
     # An axis of whole floats is a count too (--set load.concurrency needs an integer).
     floats = [
         {**row(v, t), "config": {"load.concurrency": v}} for v, t in ((8.0, 100), (16.0, 200), (32.0, 201))
     ]
-    assert refine_configs({"refine": 1, "axes": {"load.concurrency": [8.0, 16.0, 32.0]}}, floats) == [
+    assert refine_configs(floats, 1, {"load.concurrency": [8.0, 16.0, 32.0]}) == [
         {"load.concurrency": 11},
         {"load.concurrency": 23},
     ]
@@ -126,7 +128,7 @@ def test_the_knee_stays_put_when_refined_rows_come_in_between():
     knee = coarse[knee_index(coarse)]["config"]["max_running_requests"]
     assert knee == 256  # 512 adds < 5%; 256 over 128 adds ~ 12%
     for n in (1, 2, 3):  # with a per-step rule the knee fell to 181, 161, then 128 as points were added
-        added = [c["max_running_requests"] for c in refine_configs({"refine": n, "axes": {}}, coarse)]
+        added = [c["max_running_requests"] for c in refine_configs(coarse, n, {})]
         fine = sorted(
             coarse + [row(v, curve(v)) for v in added], key=lambda r: r["config"]["max_running_requests"]
         )
@@ -180,8 +182,6 @@ def test_resume_keeps_or_refuses_a_refine_stage(tmp_path, monkeypatch):
     """The sweep's state machine with the runs replaced by summaries from a known curve (the end-to-end
     test above runs real ones): refine after the coarse stage, resume after an interruption in it, and
     a changed `refine:` refused once refined runs exist."""
-    import loadlab.experiment.sweep as sweep_mod
-
     (tmp_path / "short-profile.yaml").write_text(
         (REPO / "tests" / "sweeps" / "short-profile.yaml").read_text()
     )
@@ -200,20 +200,20 @@ def test_resume_keeps_or_refuses_a_refine_stage(tmp_path, monkeypatch):
         (run / "summary.json").write_text(json.dumps({"output_throughput": thr, "failed": 0}))
         return run
 
-    monkeypatch.setattr(sweep_mod, "_one_run", fake_run)
+    monkeypatch.setattr(runner, "_one_run", fake_run)
     path.write_text(
         "profile: short-profile.yaml\naxes: {load.concurrency: [2, 4, 8, 16, 32, 64]}\nrefine: 1\n"
     )
     out = tmp_path / "out"
     stop_at.append(7)  # the six coarse runs, then one of the refine stage
-    assert sweep_mod.run_sweep(load_sweep(path), out) == 130
+    assert runner.run_sweep(load_sweep(path), out) == 130
     state = json.loads((out / "sweep.json").read_text())
     # Coarse knee at 32 (64 adds 0.5%, 32 over 16 adds 7%): one value each side, on a log scale.
     assert state["refined"] == [{"load.concurrency": 23}, {"load.concurrency": 45}]
     assert state["refined_with"] == 1
     assert len(state["runs"]) == 7
     stop_at.clear()
-    assert sweep_mod.run_sweep(load_sweep(path), out) == 0  # resumes with the same refined values
+    assert runner.run_sweep(load_sweep(path), out) == 0  # resumes with the same refined values
     assert calls == [2, 4, 8, 16, 32, 64, 23, 45]
     result = json.loads((out / "sweep.json").read_text())["result"]
     assert [r["config"]["load.concurrency"] for r in result["rows"]] == [2, 4, 8, 16, 23, 32, 45, 64]
@@ -221,21 +221,21 @@ def test_resume_keeps_or_refuses_a_refine_stage(tmp_path, monkeypatch):
     assert result["knee"] in ("load.concurrency=23", "load.concurrency=32")
     path.write_text(path.read_text().replace("refine: 1", "refine: 2"))
     with pytest.raises(SweepError, match="refined with refine: 1"):
-        sweep_mod.run_sweep(load_sweep(path), out)
+        runner.run_sweep(load_sweep(path), out)
 
     # Refined values chosen but none run yet (and a stale failure among them): a changed refine starts over.
     out2 = tmp_path / "out2"
     path.write_text(path.read_text().replace("refine: 2", "refine: 1"))
     calls.clear()
     stop_at.append(6)  # stopped right after the coarse stage
-    assert sweep_mod.run_sweep(load_sweep(path), out2) == 130
+    assert runner.run_sweep(load_sweep(path), out2) == 130
     state = json.loads((out2 / "sweep.json").read_text())
     assert state["refined"] and state["refined_with"] == 1 and len(state["runs"]) == 6
     state["failed"] = {"6": "the server exited with status 1"}
     (out2 / "sweep.json").write_text(json.dumps(state))
     stop_at.clear()
     path.write_text(path.read_text().replace("refine: 1", "refine: 0"))
-    assert sweep_mod.run_sweep(load_sweep(path), out2) == 0
+    assert runner.run_sweep(load_sweep(path), out2) == 0
     final = json.loads((out2 / "sweep.json").read_text())
     assert final["refined"] is None and final["failed"] == {} and len(final["runs"]) == 6
 
@@ -274,20 +274,75 @@ def test_the_choice_keeps_the_smaller_configuration_when_throughputs_tie():
         return {"config": {"max_running_requests": limit}, "repeats": 3, "failed": 0,
                 "values": {k: {"median": m, "min": a, "max": b} for k, (m, a, b) in values.items()}}  # fmt: skip
 
-    spec = {"slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 100}}
+    slo = {"ttft_p95_ms": 3000, "tpot_p95_ms": 100}
     # 32 in flight against larger limits: the same throughput up to noise; the best median is 128's.
     noise = [row(32, 1340, 1310, 1352), row(64, 1338, 1320, 1349), row(128, 1351, 1345, 1360)]
-    result = choose(spec, noise)
+    result = choose(noise, slo)
     assert result["choice"] == "max_running_requests=32"
     assert "ties with max_running_requests=128" in result["choice_note"]
     # Runs the load generator flagged as client-bound are called out with their error bound.
     noise[1].update(client_bound=2, error_bound_ms=7.5)
-    finding = choose(spec, noise)["findings"][-1]
+    finding = choose(noise, slo)["findings"][-1]
     assert finding.startswith("2 of 9 runs were client-bound") and "up to 7.5 ms at P99" in finding
     # One outlier repeat does not make a slow configuration a tie (its median is outside the best's range).
     outlier = [row(32, 1000, 500, 1600), row(64, 1590, 1580, 1600)]
-    assert choose(spec, outlier)["choice"] == "max_running_requests=64"
+    assert choose(outlier, slo)["choice"] == "max_running_requests=64"
     # A real difference (ranges apart, > 1%) is not a tie.
     apart = [row(32, 1300, 1290, 1310), row(64, 1400, 1390, 1410)]
-    result = choose(spec, apart)
+    result = choose(apart, slo)
     assert result["choice"] == "max_running_requests=64" and result["choice_note"] is None
+
+
+def test_a_sweep_directory_written_before_state_versions_resumes(tmp_path, monkeypatch):
+    """A sweep.json without `version` (the layout before it had one) resumes: its finished runs are kept,
+    its failed configuration is tried again, and the next write records the version."""
+    (tmp_path / "short-profile.yaml").write_text(
+        (REPO / "tests" / "sweeps" / "short-profile.yaml").read_text()
+    )
+    path = tmp_path / "s.yaml"
+    path.write_text("profile: short-profile.yaml\naxes: {load.concurrency: [2, 4, 8]}\n")
+    out = tmp_path / "out"
+    calls = []
+
+    def fake_run(spec, out, k, r, config, url, extra, warm_up):
+        calls.append(config["load.concurrency"])
+        run = out / "runs" / f"c{k:02d}-r{r}"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"output_throughput": 100.0 * (k + 1), "failed": 0}))
+        return run
+
+    monkeypatch.setattr(runner, "_one_run", fake_run)
+    first = out / "runs" / "c00-r0"
+    first.mkdir(parents=True)
+    (first / "summary.json").write_text(json.dumps({"output_throughput": 100.0, "failed": 0}))
+    old = {  # as the sweep wrote it before sweep.json had a version
+        "spec": {
+            "name": "s",
+            "file": str(path),
+            "axes": {"load.concurrency": [2, 4, 8]},
+            "repeats": 1,
+            "set": [],
+            "slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 100},
+            "refine": 0,
+        },  # fmt: skip
+        "configs": [{"load.concurrency": 2}, {"load.concurrency": 4}, {"load.concurrency": 8}],
+        "refined": None,
+        "refined_with": None,
+        "runs": {"0/0": str(first)},
+        "failed": {"2": "the server exited with status 1; see server-2.log"},
+    }
+    (out / "sweep.json").write_text(json.dumps(old, indent=2))
+    assert runner.run_sweep(load_sweep(path), out) == 0
+    assert calls == [4, 8]  # 2 was finished; 8 had failed and is tried again
+    final = json.loads((out / "sweep.json").read_text())
+    assert final["version"] == runner.STATE_VERSION and final["failed"] == {}
+    assert final["runs"]["0/0"] == str(first) and len(final["runs"]) == 3
+    assert final["spec"]["set"] == [] and final["spec"]["profile"] == str(tmp_path / "short-profile.yaml")
+    assert [r["values"]["output tok/s"]["median"] for r in final["result"]["rows"]] == [100.0, 200.0, 300.0]
+    # A state this loadlab cannot read is one line, not a traceback; so is one from a newer layout.
+    (out / "sweep.json").write_text(json.dumps({**final, "version": runner.STATE_VERSION + 1}))
+    with pytest.raises(SweepError, match="written by a newer loadlab"):
+        runner.run_sweep(load_sweep(path), out)
+    (out / "sweep.json").write_text("{")
+    with pytest.raises(SweepError, match="not a sweep state file"):
+        runner.run_sweep(load_sweep(path), out)
