@@ -16,6 +16,7 @@ from pathlib import Path
 
 from loadlab import exits
 from loadlab.cliargs import OneLineParser, non_negative, positive
+from loadlab.manifest import ManifestError
 from loadlab.procs import free_port
 from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
 from loadlab.swarm.options import (
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args.locust_args = locust_args
     try:
         return args.func(args)
-    except ProfileError as e:
+    except (ProfileError, ManifestError) as e:
         print(f"loadlab: {e}", file=sys.stderr)
         return exits.BAD_INPUT
 

@@ -1,0 +1,68 @@
+"""The run directory's contracts: records and manifest are defined once, and documented field by field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadlab.manifest import Manifest, ManifestError, read_manifest, write_manifest
+from loadlab.records import RECORD_FIELDS, arrow_types
+from loadlab.testing.contracts import documented_paths, field_paths
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "records.md"
+
+
+def test_every_manifest_field_is_documented_and_nothing_else():
+    model = set(field_paths(Manifest))
+    documented = documented_paths(DOCS.read_text(), "## Manifest (`manifest.json`)")
+    assert model - documented == set(), "fields of Manifest missing from docs/records.md"
+    assert documented - model == set(), "docs/records.md documents manifest fields that do not exist"
+
+
+def test_every_record_field_is_documented_and_has_a_parquet_type():
+    documented = documented_paths(DOCS.read_text(), "## Columns (stable; scripts may rely on them)")
+    assert set(RECORD_FIELDS) == documented
+    assert set(arrow_types()) == set(RECORD_FIELDS)
+
+
+def test_the_doc_check_catches_a_missing_field():
+    text = DOCS.read_text().replace("| `counts.records` |", "| counts.records |")
+    assert "counts.records" not in documented_paths(text, "## Manifest (`manifest.json`)")
+
+
+def _manifest(**changes) -> Manifest:
+    base = dict(run_id="r", profile={}, target={"url": "http://127.0.0.1:1"}, started_wall=1.0,
+                load={"model": "closed", "concurrency": 2, "description": "closed loop, 2 in flight"},
+                counts={"warmup_expected": 1, "measured_expected": 2}, versions={"loadlab": "0", "python": "3",
+                "platform": "x"}, command=["loadlab"])  # fmt: skip
+    return Manifest.model_validate({**base, **changes})
+
+
+def test_manifest_round_trip_and_one_line_errors(tmp_path):
+    assert read_manifest(tmp_path) is None  # no manifest: None, not an error
+    m = _manifest()
+    write_manifest(tmp_path, m)
+    assert read_manifest(tmp_path) == m
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ManifestError, match=r"manifest.json: not readable JSON"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"version": 99}')
+    with pytest.raises(ManifestError, match=r"version 99 is newer"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"version": 1, "run_id": 3}')
+    with pytest.raises(ManifestError, match=r"does not fit the manifest schema") as e:
+        read_manifest(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_report_on_a_broken_manifest_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "records.jsonl").write_text("")
+    (tmp_path / "manifest.json").write_text("{broken")
+    done = subprocess.run([sys.executable, "-m", "loadlab", "report", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "manifest.json: not readable JSON" in done.stderr
