@@ -7,7 +7,10 @@ as the last line of its output.
 
 from __future__ import annotations
 
+# Each command imports the heavy parts it needs inside its function (pandas, pyarrow, numpy, gevent,
+# aiohttp): `loadlab validate` and `loadlab sim` then start in a fraction of the time.
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -16,9 +19,21 @@ from pathlib import Path
 
 from loadlab import exits
 from loadlab.cliargs import OneLineParser, non_negative, positive
-from loadlab.manifest import ManifestError
+from loadlab.manifest import MANIFEST, ManifestError, read_manifest, write_manifest
 from loadlab.procs import free_port
 from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
+from loadlab.records import (
+    RECORDS_JSONL,
+    RECORDS_PARQUET,
+    SPILL_DIR,
+    default_run_name,
+    merge_spills,
+    recorded_indices,
+    unique_run_name,
+    write_parquet,
+)
+from loadlab.sim import settings
+from loadlab.sim.settings import BY_NAME, PROCESS_SETTINGS, resolve_settings
 from loadlab.swarm.options import (
     PASSED_THROUGH,
     add_loadlab_arguments,
@@ -97,7 +112,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args) -> int:
-    from loadlab.records import default_run_name, unique_run_name
     from loadlab.workload import build_workload
     from loadlab.workload.text import Renderer
 
@@ -179,15 +193,6 @@ def _run_workers(args) -> int:
 
 def _cmd_report(args) -> int:
     from loadlab.analysis.report import write_report
-    from loadlab.manifest import MANIFEST, read_manifest, write_manifest
-    from loadlab.records import (
-        RECORDS_JSONL,
-        RECORDS_PARQUET,
-        SPILL_DIR,
-        merge_spills,
-        recorded_indices,
-        write_parquet,
-    )
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -267,8 +272,6 @@ VIRTUAL_OPTIONS = ("out", "run_name", "concurrency", "rate", "arrival", "num_req
 def sim_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     """``loadlab sim``'s command line: the twin's settings (SGLang's flag names) and the virtual-time run.
     ``suppress_defaults``: unset flags stay out of the namespace (to tell which were given)."""
-    from loadlab.sim import settings
-
     p = OneLineParser(
         prog=SIM_PROG,
         description="Simulated SGLang server (SGLang's scheduler on a GPU cost model, prefix cache, SGLang's "
@@ -300,8 +303,6 @@ def sim_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
 
 
 def _cmd_sim(argv: list[str]) -> int:
-    import logging
-
     parser = sim_parser()
     try:
         args = parser.parse_args(argv)
@@ -321,7 +322,6 @@ def _cmd_sim(argv: list[str]) -> int:
     if args.virtual is not None:
         return _cmd_sim_virtual(args, argv)
     from loadlab.sim.serve import serve
-    from loadlab.sim.settings import resolve_settings
     from loadlab.sim.tokenize import Tokenizer
 
     try:
@@ -343,8 +343,6 @@ def _cmd_sim(argv: list[str]) -> int:
 def _cmd_sim_virtual(args: argparse.Namespace, argv: list[str]) -> int:
     """``loadlab sim --virtual PROFILE``: the profile's settings (``target.embedded``) with the flags given
     on the command line on top; prints the run directory as the last line."""
-    from loadlab.manifest import read_manifest
-    from loadlab.sim.settings import BY_NAME, PROCESS_SETTINGS
     from loadlab.virtual import run_virtual
 
     explicit = vars(sim_parser(suppress_defaults=True).parse_args(argv))

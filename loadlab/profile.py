@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
+from loadlab.sim.settings import check_embedded_settings
+
 APIS = ("generate", "completions", "chat")
 API_PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 EMBEDDED = "embedded"
@@ -264,8 +266,6 @@ def validate_profile(data: dict[str, Any], label: str = "<profile>", lines=None)
 def _check_embedded(profile: Profile, label: str, lines) -> None:
     if not profile.target.embedded:
         return
-    from loadlab.sim.settings import check_embedded_settings
-
     # Check one setting at a time so the error can point at the offending key's line.
     for key, value in profile.target.embedded.items():
         problem = check_embedded_settings({key: value})

@@ -14,6 +14,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,7 @@ def recorded_indices(run_dir: Path) -> set[int]:
 
 def load_records(run_dir: Path):
     """Returns the run's records as a pandas DataFrame (Parquet if written, else the JSONL)."""
-    import pandas as pd
+    import pandas as pd  # heavy: only the post-processor needs it
 
     run_dir = Path(run_dir)
     parquet = run_dir / RECORDS_PARQUET
@@ -222,7 +223,7 @@ _LIST_COLUMNS = ("arrival_ms", "arrival_tokens")
 
 @functools.cache
 def arrow_types() -> dict[str, Any]:
-    import pyarrow as pa
+    import pyarrow as pa  # heavy: only when Parquet is written
 
     types = {
         "index": pa.int64(),
@@ -258,8 +259,6 @@ def arrow_types() -> dict[str, Any]:
 
 def default_run_name(profile_name: str, suffix: str = "") -> str:
     """``YYYYmmdd-HHMMSS-<profile>[suffix]``: the run directory name when none is given."""
-    from datetime import datetime
-
     return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{profile_name}{suffix}"
 
 
