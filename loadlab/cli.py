@@ -326,7 +326,7 @@ def _cmd_sim(argv: list[str]) -> int:
 
     try:
         settings = resolve_settings(args)
-        tokenizer = Tokenizer(settings["tokenizer"])
+        tokenizer = Tokenizer(settings.tokenizer)
     except ValueError as e:
         print(f"{SIM_PROG}: error: {e}", file=sys.stderr)
         return exits.BAD_INPUT

@@ -50,7 +50,7 @@ from loadlab.sim import SIM_VERSION
 from loadlab.sim.clock import output_ids_for, quantize, token_events
 from loadlab.sim.cost import cost_model
 from loadlab.sim.scheduler import DONE, QueueFullError, Request, RequestTooLargeError, Scheduler
-from loadlab.sim.settings import PROCESS_SETTINGS, engine_config, resolve_settings
+from loadlab.sim.settings import TwinSettings, engine_config, resolve_settings
 from loadlab.workload import build_workload
 
 WORKER_ID = "virtual"
@@ -100,9 +100,7 @@ def _specs_for(profile: Profile) -> _Specs:
 class VirtualRun:
     """One simulation: a scheduler, a workload and a client model, on a simulated clock."""
 
-    def __init__(
-        self, profile: Profile, settings: dict[str, Any], run_id: str = "virtual", epoch: float = 0.0
-    ):
+    def __init__(self, profile: Profile, settings: TwinSettings, run_id: str = "virtual", epoch: float = 0.0):
         self.profile = profile
         self.settings = settings
         cfg = engine_config(settings, record_token_times=True)
@@ -112,7 +110,7 @@ class VirtualRun:
         self.run_id = run_id
         self.epoch = epoch
         self.api = profile.target.api
-        self.interval = settings["stream_interval"]
+        self.interval = settings.stream_interval
         load = profile.load
         self.open_loop = load.model == "open"
         self.rate = load.rate
@@ -331,7 +329,7 @@ def run_virtual(
     run_dir = out_root / unique_run_name(out_root, run_name or default_run_name(profile.name, "-virtual"))
     run_dir.mkdir(parents=True)
     epoch = math.floor(time.time())  # an integer epoch: epoch + virtual time stays exact (sim.clock)
-    shown = {k: v for k, v in settings.items() if k not in PROCESS_SETTINGS}
+    shown = settings.shown()
     requests = profile.requests
     manifest = Manifest(
         run_id=run_dir.name,
@@ -343,7 +341,7 @@ def run_virtual(
             embedded_settings=dict(sim_settings or {}),
             server_info=dict(shown, version=f"{SIM_VERSION} (virtual time)", loadlab_sim=True),
         ),
-        model=settings["served_model_name"],
+        model=settings.served_model_name,
         # One "user" per request in flight: the cap, or every request when there is none.
         load=describe_load(
             profile, profile.load.concurrency or requests.warmup + requests.measured, virtual=True

@@ -831,3 +831,17 @@ def test_tokenizer_file(tmp_path):
         assert s.get_json("/model_info")["tokenizer_path"] == str(path)
     finally:
         assert s.stop() == 0
+
+
+def test_every_setting_of_the_table_is_a_field_of_twin_settings():
+    import dataclasses
+
+    from loadlab.sim.settings import SETTINGS, TwinSettings, resolve_settings
+
+    fields = {f.name for f in dataclasses.fields(TwinSettings)}
+    assert {s.name for s in SETTINGS} <= fields
+    resolved = resolve_settings({"max_running_requests": 7, "enable_metrics": True})
+    assert resolved.max_running_requests == 7 and resolved.enable_metrics and resolved.port == 30000
+    # The argv round trip: a mapping -> flags -> the parser -> the same resolved settings.
+    argv = settings_to_argv({"max_running_requests": 7, "enable_metrics": True})
+    assert resolve_settings(sim_parser().parse_args(argv)) == resolved

@@ -82,12 +82,12 @@ def test_presets_and_memory():
     with pytest.raises(ValueError, match="no memory for the KV cache"):
         resolve_settings({"model": "llama-3.1-70b", "tp_size": 1})
     s = resolve_settings({"gpu": "h100-80gb", "model": "llama-3.1-70b"})
-    assert s["tp_size"] == 4 and s["model_path"] == "meta-llama/Llama-3.1-70B-Instruct"
-    assert s["max_total_num_tokens"] == CostModel("h100-80gb", "llama-3.1-70b", 4).kv_tokens()
+    assert s.tp_size == 4 and s.model_path == "meta-llama/Llama-3.1-70B-Instruct"
+    assert s.max_total_num_tokens == CostModel("h100-80gb", "llama-3.1-70b", 4).kv_tokens()
     # SGLang's default max_running_requests rule (twin.md).
     assert default_max_running_requests(440_000, 131_072) == 2048
     assert default_max_running_requests(3000, 131_072) == 1500
-    assert resolve_settings({"max_total_tokens": 12345})["max_total_num_tokens"] == 12345
+    assert resolve_settings({"max_total_tokens": 12345}).max_total_num_tokens == 12345
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -9,32 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
 import sys
-from typing import Any
 
 from aiohttp import web
 
 from loadlab.sim import READY_PREFIX
 from loadlab.sim.engine import Engine
 from loadlab.sim.server import SimServer
-from loadlab.sim.settings import engine_config
+from loadlab.sim.settings import TwinSettings, engine_config
 from loadlab.sim.tokenize import Tokenizer
 
 
-def serve(settings: dict[str, Any], tokenizer: Tokenizer) -> None:
+def serve(settings: TwinSettings, tokenizer: Tokenizer) -> None:
     """Serves until SIGTERM or SIGINT. Raises OSError when it cannot listen."""
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(settings, tokenizer))
 
 
-async def _serve(settings: dict[str, Any], tokenizer: Tokenizer) -> None:
+async def _serve(settings: TwinSettings, tokenizer: Tokenizer) -> None:
     engine = Engine(engine_config(settings))
-    host, port = settings["host"], settings["port"]
-    sock = socket.create_server((host, port), backlog=4096)
+    host = settings.host
+    sock = socket.create_server((host, settings.port), backlog=4096)
     sock.setblocking(False)
+    settings = dataclasses.replace(settings, port=sock.getsockname()[1])  # the real port, also with 0
     await engine.start()
     app = SimServer(settings, engine, tokenizer).build_app()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -42,17 +43,16 @@ async def _serve(settings: dict[str, Any], tokenizer: Tokenizer) -> None:
     try:
         site = web.SockSite(runner, sock)
         await site.start()
-        settings["port"] = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
-        sys.stdout.write(f"{READY_PREFIX}http://{shown}:{settings['port']}\n")
+        sys.stdout.write(f"{READY_PREFIX}http://{shown}:{settings.port}\n")
         sys.stdout.flush()
         logging.getLogger("loadlab.sim").info(
             "serving %s on %s: max_running_requests=%s max_total_num_tokens=%s radix_cache=%s",
-            settings["served_model_name"],
+            settings.served_model_name,
             engine.cost.name,
-            settings["max_running_requests"],
-            settings["max_total_num_tokens"],
-            "off" if settings["disable_radix_cache"] else "on",
+            settings.max_running_requests,
+            settings.max_total_num_tokens,
+            "off" if settings.disable_radix_cache else "on",
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -25,6 +25,7 @@ from loadlab.sim.engine import (
     RequestTooLargeError,
     Step,
 )
+from loadlab.sim.settings import TwinSettings
 from loadlab.sim.tokenize import OUTPUT_IDS, OUTPUT_TEXTS, Tokenizer, output_start
 
 SLOW_READER_BYTES = 64 * 1024  # unsent bytes at which a stream stops pushing and waits for its reader
@@ -245,14 +246,14 @@ class _Metrics:
 class SimServer:
     """Builds the aiohttp application. ``settings`` holds every resolved server argument, SGLang-named."""
 
-    def __init__(self, settings: dict[str, Any], engine: Engine, tokenizer: Tokenizer):
+    def __init__(self, settings: TwinSettings, engine: Engine, tokenizer: Tokenizer):
         self.settings = settings
         self.engine = engine
         self.tok = tokenizer
-        self.model_name: str = settings["served_model_name"]
-        self.context_length: int = settings["context_length"]
-        self.cache_report: bool = bool(settings.get("enable_cache_report"))
-        self.enable_metrics: bool = bool(settings.get("enable_metrics"))
+        self.model_name: str = settings.served_model_name
+        self.context_length: int = settings.context_length
+        self.cache_report: bool = settings.enable_cache_report
+        self.enable_metrics: bool = settings.enable_metrics
         self.metrics = _Metrics(engine, self.model_name) if self.enable_metrics else None
 
     def build_app(self) -> web.Application:
@@ -674,9 +675,9 @@ class SimServer:
         s = self.settings
         return _json(
             {
-                "model_path": s["model_path"],
+                "model_path": s.model_path,
                 "served_model_name": self.model_name,
-                "tokenizer_path": s["tokenizer_path"],
+                "tokenizer_path": s.tokenizer_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": "default",
@@ -690,8 +691,8 @@ class SimServer:
     def server_info_dict(self) -> dict:
         st = self.engine.stats()
         cost = self.engine.cost
-        kv_gb = self.settings["max_total_num_tokens"] * cost.kv_bytes_per_token_per_gpu / 2**30
-        info = dict(self.settings)
+        kv_gb = self.settings.max_total_num_tokens * cost.kv_bytes_per_token_per_gpu / 2**30
+        info = self.settings.as_dict()
         info.update(
             version=SIM_VERSION,
             loadlab_sim=True,
@@ -702,7 +703,7 @@ class SimServer:
                     "memory_usage": {
                         "weight": round(cost.weight_bytes_per_gpu / 2**30, 2),
                         "kvcache": round(kv_gb, 2),
-                        "token_capacity": self.settings["max_total_num_tokens"],
+                        "token_capacity": self.settings.max_total_num_tokens,
                         "graph": 0.0,
                     },
                     "num_running_reqs": st["num_running_reqs"],
@@ -729,7 +730,7 @@ class SimServer:
                         "object": "model",
                         "created": int(time.time()),
                         "owned_by": "sglang",
-                        "root": self.settings["model_path"],
+                        "root": self.settings.model_path,
                         "parent": None,
                         "max_model_len": self.context_length,
                     }

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -240,11 +241,55 @@ def settings_to_argv(settings: dict) -> list[str]:
     return argv
 
 
-def resolve_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
-    """Every server argument with defaults resolved, under SGLang's names (what /server_info shows).
+@dataclass(frozen=True)
+class TwinSettings:
+    """Every server setting with its default resolved (SGLang's rules), under SGLang's names: what
+    ``/server_info`` shows. One field per row of ``SETTINGS`` (a test checks), then the derived ones."""
 
-    ``args`` is the parsed command line, or a mapping of settings (missing ones take their defaults).
-    Raises ValueError for a combination that cannot work (weights that leave no room for the KV cache)."""
+    host: str
+    port: int
+    gpu: str
+    model: str
+    tp_size: int
+    model_path: str
+    served_model_name: str
+    tokenizer: str | None
+    context_length: int
+    max_running_requests: int
+    max_queued_requests: int | None
+    max_total_tokens: int | None
+    chunked_prefill_size: int
+    max_prefill_tokens: int
+    schedule_policy: str
+    disable_radix_cache: bool
+    schedule_conservativeness: float
+    enable_mixed_chunk: bool
+    mem_fraction_static: float
+    stream_interval: int
+    enable_metrics: bool
+    enable_cache_report: bool
+    log_level: str
+    # Derived, as SGLang reports them:
+    tokenizer_path: str  # the tokenizer file, else the model path
+    max_total_num_tokens: int  # the KV cache pool, from max_total_tokens or the memory fraction
+    max_req_input_len: int
+    dp_size: int = 1
+    page_size: int = 1
+    incremental_streaming_output: bool = False
+    skip_server_warmup: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def shown(self) -> dict[str, Any]:
+        """The settings without where the process listens and logs (what a run's report keeps)."""
+        return {k: v for k, v in self.as_dict().items() if k not in PROCESS_SETTINGS}
+
+
+def resolve_settings(args: argparse.Namespace | dict[str, Any]) -> TwinSettings:
+    """Every setting with its default resolved. ``args`` is the parsed command line, or a mapping of
+    settings (missing ones take their defaults). Raises ValueError for a combination that cannot work
+    (weights that leave no room for the KV cache)."""
     if isinstance(args, dict):
         s = {st.name: args.get(st.name, st.default) for st in SETTINGS}
     else:
@@ -263,35 +308,31 @@ def resolve_settings(args: argparse.Namespace | dict[str, Any]) -> dict[str, Any
     s["model_path"] = s["model_path"] or cost.model.model_path
     s["context_length"] = s["context_length"] or cost.model.context_length
     s["served_model_name"] = s["served_model_name"] or s["model_path"]
-    s["tokenizer_path"] = s["tokenizer"] or s["model_path"]
     if s["max_running_requests"] is None:
         s["max_running_requests"] = default_max_running_requests(kv, s["context_length"])
-    s.update(
+    return TwinSettings(
+        **s,
+        tokenizer_path=s["tokenizer"] or s["model_path"],
         max_total_num_tokens=kv,
         max_req_input_len=min(s["context_length"] - 1, kv - 1),
-        dp_size=1,
-        page_size=1,
-        incremental_streaming_output=False,
-        skip_server_warmup=True,
     )
-    return s
 
 
-def engine_config(settings: dict[str, Any], record_token_times: bool = False) -> EngineConfig:
+def engine_config(settings: TwinSettings, record_token_times: bool = False) -> EngineConfig:
     """The engine/scheduler configuration for resolved settings."""
     return EngineConfig(
-        max_running_requests=settings["max_running_requests"],
-        max_queued_requests=settings["max_queued_requests"],
-        max_total_tokens=settings["max_total_num_tokens"],
-        chunked_prefill_size=settings["chunked_prefill_size"],
-        max_prefill_tokens=settings["max_prefill_tokens"],
-        schedule_policy=settings["schedule_policy"],
-        disable_radix_cache=settings["disable_radix_cache"],
-        stream_interval=settings["stream_interval"],
-        schedule_conservativeness=settings["schedule_conservativeness"],
-        enable_mixed_chunk=settings["enable_mixed_chunk"],
+        max_running_requests=settings.max_running_requests,
+        max_queued_requests=settings.max_queued_requests,
+        max_total_tokens=settings.max_total_num_tokens,
+        chunked_prefill_size=settings.chunked_prefill_size,
+        max_prefill_tokens=settings.max_prefill_tokens,
+        schedule_policy=settings.schedule_policy,
+        disable_radix_cache=settings.disable_radix_cache,
+        stream_interval=settings.stream_interval,
+        schedule_conservativeness=settings.schedule_conservativeness,
+        enable_mixed_chunk=settings.enable_mixed_chunk,
         record_token_times=record_token_times,
-        gpu=settings["gpu"],
-        model=settings["model"],
-        tp_size=settings["tp_size"],
+        gpu=settings.gpu,
+        model=settings.model,
+        tp_size=settings.tp_size,
     )
