@@ -19,7 +19,8 @@ import pytest
 
 from loadlab.cli import main as loadlab_main
 from loadlab.cli import sim_parser
-from loadlab.sim.engine import Engine, EngineConfig, RadixCache, prefill_pass_s
+from loadlab.sim.engine import Engine, EngineConfig, prefill_pass_s
+from loadlab.sim.radix import RadixCache
 from loadlab.sim.settings import check_embedded_settings, settings_to_argv
 from loadlab.testing.servers import TWIN, ServerProcess
 
