@@ -1,7 +1,7 @@
 """Benchmark: client CPU per streamed event, timing error and self-calibration, loadlab vs a naive Locust user
 (not a test; results in bench/RESULTS.md)
 
-Starts the scripted server (loadlab/sim/scripted.py: first event TTFT ms after the request, then one every
+Starts the scripted server (loadlab/testing/scripted.py: first event TTFT ms after the request, then one every
 GAP ms, each write logged with its wall-clock time) pinned to one core, and for each user count runs, one
 after the other on the other core (`taskset`):
 
@@ -65,8 +65,8 @@ import pandas as pd
 from common import MACHINE, CpuSampler, dist, finish
 
 from loadlab.records import load_records
-from loadlab.testing import ServerProcess
 from loadlab.testing.scripted import timing_errors
+from loadlab.testing.servers import ServerProcess, start_scripted
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "tests" / "profiles" / "timing.yaml"
@@ -399,11 +399,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="loadlab-bench-"))
     log = work / "server.jsonl"
-    server = ServerProcess(
-        pinned([sys.executable, "-m", "loadlab.testing.scripted", "--port", "0", "--log", str(log),
-                "--ttft-ms", str(args.ttft_ms), "--gap-ms", str(args.gap_ms)], args.server_cpu)
-    )  # fmt: skip
-    server.start()
+    server = start_scripted(log, args.ttft_ms, args.gap_ms, prefix=pinned([], args.server_cpu))
     server_log = ServerLog(log)
     print(f"# {platform.node()} {os.cpu_count()} cores, python {platform.python_version()}, {time.ctime()}")
     print(f"# server on core {args.server_cpu}, client on core {args.client_cpu}; TTFT {args.ttft_ms} ms, "

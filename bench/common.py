@@ -1,10 +1,10 @@
-"""Pieces the benchmarks share: the scripted server with known event times, and the machine line."""
+"""Pieces the benchmarks share: the machine line, error distributions, CPU sampling, clean-up (the servers
+themselves come from ``loadlab.testing.servers``)."""
 
 from __future__ import annotations
 
 import os
 import platform
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -12,22 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from loadlab.testing import ServerProcess
+from loadlab.testing.servers import ServerProcess
 
 TICKS = os.sysconf("SC_CLK_TCK")
 MACHINE = -1  # a CPU sampler's key for the whole machine
-
-
-def start_scripted_server(work: Path, ttft_ms: float, gap_ms: float, *pin: str) -> tuple[ServerProcess, Path]:
-    """`loadlab.sim.scripted` on a free port, logging each event's write time to ``work/server.jsonl``;
-    ``pin`` prefixes the command (e.g. ``taskset -c 0``). Returns the started server and its log."""
-    log = work / "server.jsonl"
-    server = ServerProcess(
-        [*pin, sys.executable, "-m", "loadlab.testing.scripted", "--port", "0", "--log", str(log),
-         "--ttft-ms", str(ttft_ms), "--gap-ms", str(gap_ms)]
-    )  # fmt: skip
-    server.start()
-    return server, log
 
 
 def machine_line() -> str:

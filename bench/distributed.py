@@ -1,6 +1,6 @@
 """Benchmark: one process vs a master and N workers on this machine (not a test; results in bench/RESULTS.md)
 
-Starts the scripted server once (loadlab/sim/scripted.py: first event TTFT ms after the request, then one
+Starts the scripted server once (loadlab/testing/scripted.py: first event TTFT ms after the request, then one
 every GAP ms, each write logged with its wall-clock time), then for each (workers, users) runs
 `loadlab run tests/profiles/timing.yaml` against it (workers 0 = one Locust process, N = `--workers N`: a
 master plus N worker processes), and prints per run:
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-from common import MACHINE, CpuSampler, dist, finish, machine_line, start_scripted_server
+from common import MACHINE, CpuSampler, dist, finish, machine_line
 
 from loadlab.records import load_records
-from loadlab.testing import ServerProcess
 from loadlab.testing.scripted import read_log, timing_errors
+from loadlab.testing.servers import ServerProcess, start_scripted
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "tests" / "profiles" / "timing.yaml"
@@ -171,7 +171,8 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="loadlab-bench-"))
-    server, log = start_scripted_server(work, args.ttft_ms, args.gap_ms)
+    server = start_scripted(work / "server.jsonl", args.ttft_ms, args.gap_ms)
+    log = server.log_path
     print(machine_line())
     print(f"# case normal, TTFT {args.ttft_ms} ms, gap {args.gap_ms} ms, {args.tokens} tokens/request, "
           f"{args.requests_per_user} measured requests/user (+1 warm-up); CPU in % of one core")  # fmt: skip

@@ -1,6 +1,6 @@
 """Benchmark: how exactly does loadlab's client time tokens? (not a test; results in bench/RESULTS.md)
 
-Starts the scripted server (loadlab/sim/scripted.py: first event TTFT ms after the request, then one every
+Starts the scripted server (loadlab/testing/scripted.py: first event TTFT ms after the request, then one every
 GAP ms, each write logged with its wall-clock time), runs `loadlab run` against it at several user counts,
 joins records to the server log on server_id, and prints the client's TTFT and ITL error distribution:
   TTFT error = client TTFT - (server's first write - client send)
@@ -19,10 +19,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import machine_line, start_scripted_server
+from common import machine_line
 
 from loadlab.records import load_records
 from loadlab.testing.scripted import read_log, timing_errors
+from loadlab.testing.servers import start_scripted
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "tests" / "profiles" / "timing.yaml"
@@ -47,7 +48,8 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="loadlab-bench-"))
-    server, log = start_scripted_server(work, args.ttft_ms, args.gap_ms)
+    server = start_scripted(work / "server.jsonl", args.ttft_ms, args.gap_ms)
+    log = server.log_path
     print(machine_line())
     print(f"# case {args.case}, TTFT {args.ttft_ms} ms, gap {args.gap_ms} ms, {args.tokens} tokens/request")
     print("users events/s  |TTFT err| p50 p95 p99 max (ms)   |ITL err| p50 p95 p99 max (ms)   load")

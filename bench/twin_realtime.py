@@ -27,7 +27,7 @@ import time
 import urllib.request
 from urllib.parse import urlsplit
 
-from loadlab.testing import ServerProcess
+from loadlab.testing.servers import start_twin
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -144,11 +144,9 @@ def main() -> int:
           "  late passes lost s")  # fmt: skip
     for api in args.api:
         for c in args.concurrency:
-            server = ServerProcess(
-                [*pin, sys.executable, "-m", "loadlab", "sim", "--port", "0", "--gpu", args.gpu,
-                 "--max-running-requests", str(max(c, 1)), "--log-level", "warning"]
-            )  # fmt: skip
-            url = server.start()
+            server = start_twin("--gpu", args.gpu, "--max-running-requests", str(max(c, 1)),
+                                "--log-level", "warning", prefix=pin)  # fmt: skip
+            url = server.url
             try:
                 got = asyncio.run(drive(url, api, c, args.input_len, args.output_len,
                                         args.warmup_s, args.window_s, server.proc.pid))  # fmt: skip

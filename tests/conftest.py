@@ -11,40 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from loadlab.testing import ServerProcess
-from loadlab.testing.scripted import read_log, timing_errors  # noqa: F401 - timing_errors: for the tests
+from loadlab.testing.scripted import timing_errors  # noqa: F401 - for the tests
+from loadlab.testing.servers import start_scripted
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = Path(__file__).resolve().parent / "profiles"
 LOADLAB = [sys.executable, "-m", "loadlab.cli"]
-
-
-class ScriptedServer(ServerProcess):
-    """The scripted server: ``url`` is its base URL, ``log_entries()`` its per-request write times."""
-
-    def __init__(self, argv: list[str], log_path: Path | None = None):
-        super().__init__(argv)
-        self.log_path = log_path
-        self.start()
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    def case_url(self, case: str) -> str:
-        return f"{self.url}/case/{case}"
-
-    def log_entries(self) -> dict[str, dict]:
-        """The server's per-request log, keyed by request id (= the client's server_id)."""
-        if self.log_path is None or not self.log_path.exists():
-            return {}
-        return read_log(self.log_path)
-
-
-def start_scripted(log_path: Path, ttft_ms: float = 100.0, gap_ms: float = 20.0) -> ScriptedServer:
-    argv = [sys.executable, "-m", "loadlab.testing.scripted", "--port", "0", "--log", str(log_path)]
-    argv += ["--ttft-ms", str(ttft_ms), "--gap-ms", str(gap_ms)]
-    return ScriptedServer(argv, log_path)
 
 
 @pytest.fixture(scope="session")

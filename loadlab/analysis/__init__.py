@@ -2,6 +2,6 @@
 records, and the report files (summary.json, summary.md). Definitions: docs/metrics.md."""
 
 from loadlab.analysis.metrics import compute_summary
-from loadlab.analysis.report import render_markdown, write_report
+from loadlab.analysis.report import write_report
 
-__all__ = ["compute_summary", "render_markdown", "write_report"]
+__all__ = ["compute_summary", "write_report"]

@@ -27,7 +27,6 @@ import bisect
 import functools
 from dataclasses import dataclass
 
-GIB = 2**30
 MIB = 2**20
 CLIP_MAX_NEW_TOKENS = 4096  # SGLang's CLIP_MAX_NEW_TOKENS(_ESTIMATION) (schedule_policy.py)
 

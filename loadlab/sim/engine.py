@@ -25,12 +25,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from loadlab.lateness import LatenessHistogram
-from loadlab.sim.cost import (
-    DEFAULT_MEM_FRACTION_STATIC,
-    CostModel,
-    attention_pairs,
-    default_max_running_requests,
-)
+from loadlab.sim.cost import CostModel, attention_pairs
 from loadlab.sim.radix import RadixCache
 from loadlab.sim.scheduler import (
     DONE,
@@ -48,24 +43,12 @@ LATE_TOLERANCE_S = (
 )
 
 _DEFAULT_COST = CostModel()
-KV_BYTES_PER_TOKEN = _DEFAULT_COST.model.kv_bytes_per_token
-WEIGHT_BYTES = _DEFAULT_COST.model.weight_bytes
-
-
-def decode_step_s(batch_size: int, total_context: int) -> float:
-    """One decode step on the default preset (A100-80GB, Llama-3.1-8B)."""
-    return _DEFAULT_COST.decode_s(batch_size, total_context)
 
 
 def prefill_pass_s(parts: Sequence[tuple[int, int]]) -> float:
     """One prefill pass on the default preset; ``parts`` holds (new tokens, tokens already in KV)."""
     new = sum(n for n, _ in parts)
     return _DEFAULT_COST.prefill_s(new, sum(attention_pairs(n, p) for n, p in parts))
-
-
-def kv_tokens_for(mem_fraction_static: float) -> int:
-    """KV capacity in tokens of the default preset (0.88 -> 440,000)."""
-    return _DEFAULT_COST.kv_tokens(mem_fraction_static)
 
 
 class Step(NamedTuple):
@@ -431,18 +414,11 @@ class Engine:
 
 
 __all__ = [
-    "DEFAULT_MEM_FRACTION_STATIC",
-    "KV_BYTES_PER_TOKEN",
-    "WEIGHT_BYTES",
     "Engine",
     "EngineConfig",
     "QueueFullError",
-    "RadixCache",
     "RequestHandle",
     "RequestTooLargeError",
     "Step",
-    "decode_step_s",
-    "default_max_running_requests",
-    "kv_tokens_for",
     "prefill_pass_s",
 ]

@@ -7,7 +7,7 @@ A driver owns the clock. It calls ``add_request(req, now)`` when a request arriv
     sched.complete(it, now + it.duration)   # apply its results at its end time
 
 Two drivers exist: ``loadlab.sim.engine`` (the asyncio clock behind the HTTP server) and
-``loadlab.sim.virtual`` (a simulated clock with a client model).
+``loadlab.virtual`` (a simulated clock with a client model, via ``loadlab.sim.clock``).
 
 The rules follow SGLang 0.4-0.5 (``scheduler.py``, ``schedule_policy.py``, ``schedule_batch.py``) as
 ``shared/design/twin.md`` describes them:

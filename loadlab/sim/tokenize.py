@@ -5,8 +5,8 @@ a stable hash of it (``zlib.crc32(word) % 128000 + 1000``), so the same text alw
 repeated text hits the prefix cache. With ``--tokenizer PATH`` (a local ``tokenizer.json``) the
 ``tokenizers`` package encodes prompts instead (imported only then).
 
-Chat prompts: the content tokens of every message plus a fixed template overhead of
-``CHAT_TOKENS_PER_MESSAGE`` (4) tokens per message and ``CHAT_TOKENS_FIXED`` (4) per conversation, laid
+Chat prompts: the content tokens of every message plus a fixed template overhead of 4 tokens per
+message and 4 per conversation (``<begin>`` and the assistant header that opens the reply), laid
 out like the Llama 3 template: ``<begin> (<hdr> role <end_hdr> content <eot>)* <hdr> assistant <end_hdr>``.
 Because the reply is tokenized the same way, a follow-up turn that repeats the reply hits the prefix cache
 for the whole history (the sim caches prompt + output when a request ends).
@@ -30,8 +30,6 @@ BEGIN_OF_TEXT = 128000
 START_HEADER = 128006
 END_HEADER = 128007
 END_OF_TURN = 128009
-CHAT_TOKENS_PER_MESSAGE = 4
-CHAT_TOKENS_FIXED = 4  # <begin> + the assistant header that opens the reply
 
 # fmt: off
 OUTPUT_WORDS: tuple[str, ...] = (

@@ -5,29 +5,8 @@ ids into ``WORDS``; ``Renderer`` turns them into token ids (native /generate) or
 See docs/workloads.md.
 """
 
-from loadlab.workload.generators import (
-    RagGenerator,
-    RandomPrefixGenerator,
-    SharedPrefixGenerator,
-    WorkloadGenerator,
-    build_workload,
-)
-from loadlab.workload.spec import RequestSpec
-from loadlab.workload.text import TOKEN_ID_BASE, Renderer, RenderError, get_renderer, load_tokenizer
+from loadlab.workload.generators import build_workload
+from loadlab.workload.text import TOKEN_ID_BASE, Renderer, RenderError, get_renderer
 from loadlab.workload.words import NUM_WORDS, WORDS
 
-__all__ = [
-    "NUM_WORDS",
-    "TOKEN_ID_BASE",
-    "WORDS",
-    "RagGenerator",
-    "RandomPrefixGenerator",
-    "RenderError",
-    "Renderer",
-    "RequestSpec",
-    "SharedPrefixGenerator",
-    "WorkloadGenerator",
-    "build_workload",
-    "get_renderer",
-    "load_tokenizer",
-]
+__all__ = ["NUM_WORDS", "TOKEN_ID_BASE", "WORDS", "RenderError", "Renderer", "build_workload", "get_renderer"]

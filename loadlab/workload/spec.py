@@ -11,7 +11,6 @@ class RequestSpec:
     input_ids: tuple[int, ...]  # the prompt as token ids; native /generate sends these exactly
     max_new_tokens: int
     prefix_group: int | None = None  # requests sharing a deliberate prefix (system prompt, ...)
-    request_class: str = "default"
 
     @property
     def input_len(self) -> int:

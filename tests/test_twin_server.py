@@ -1,19 +1,15 @@
-"""The simulated SGLang server, as a real subprocess spoken to over real HTTP on 127.0.0.1."""
+"""The twin (the simulated SGLang server), as a real subprocess spoken to over real HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
 import asyncio
 import http.client
 import itertools
-import os
 import random
 import re
-import select
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,46 +19,29 @@ import pytest
 
 from loadlab.cli import main as loadlab_main
 from loadlab.cli import sim_parser
-from loadlab.sim.engine import Engine, EngineConfig, RadixCache, prefill_pass_s
+from loadlab.sim.engine import Engine, EngineConfig, prefill_pass_s
+from loadlab.sim.radix import RadixCache
 from loadlab.sim.settings import check_embedded_settings, settings_to_argv
+from loadlab.testing.servers import TWIN, ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
-READY = re.compile(r"^loadlab-sim listening on http://127\.0\.0\.1:(\d+)$")
+READY_URL = re.compile(r"^http://127\.0\.0\.1:(\d+)$")  # after the ready line's "loadlab-sim listening on "
 
 
 # --------------------------------------------------------------------------------------------------------
 # Process and HTTP helpers
 # --------------------------------------------------------------------------------------------------------
-class Sim:
+class Twin(ServerProcess):
+    """``loadlab sim --port 0 --log-level warning ARGS...``, started, with HTTP helpers."""
+
     def __init__(self, *args: str):
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loadlab", "sim", "--port", "0", "--log-level", "warning", *args],
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            cwd=REPO,
-            env=env,
-            text=True,
-        )
-        ready, _, _ = select.select([self.proc.stdout], [], [], 20)
-        line = self.proc.stdout.readline().rstrip("\n") if ready else ""
-        m = READY.match(line)
-        if not m:
-            self.stop()
-            self.log.seek(0)
-            raise RuntimeError(f"no ready line (got {line!r}); stderr: {self.log.read().decode()[-2000:]}")
-        self.port = int(m.group(1))
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__([*TWIN, "--port", "0", "--log-level", "warning", *args], start_timeout_s=20.0)
+        self.start()
+        assert READY_URL.match(self.url), self.url  # the ready line names the loopback address and port
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """SIGTERM; the exit code."""
+        super().stop()
         return self.proc.returncode
 
     def request(self, method: str, path: str, body=None) -> tuple[int, dict, bytes]:
@@ -109,15 +88,15 @@ class Sim:
 
 
 @pytest.fixture(scope="module")
-def sim():
-    s = Sim("--enable-metrics", "--enable-cache-report")
+def twin():
+    s = Twin("--enable-metrics", "--enable-cache-report")
     yield s
     assert s.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def small():
-    s = Sim(
+    s = Twin(
         "--max-running-requests", "2", "--max-queued-requests", "1", "--stream-interval", "4",
         "--context-length", "4096", "--disable-radix-cache", "--served-model-name", "tiny",
     )  # fmt: skip
@@ -163,23 +142,23 @@ def mean_gap(events) -> float:
 # --------------------------------------------------------------------------------------------------------
 # Endpoints other than generation
 # --------------------------------------------------------------------------------------------------------
-def test_health_models_and_info(sim, small):
+def test_health_models_and_info(twin, small):
     for path in ("/health", "/health_generate", "/ready"):
-        assert sim.request("GET", path)[0] == 200
-    models = sim.get_json("/v1/models")
+        assert twin.request("GET", path)[0] == 200
+    models = twin.get_json("/v1/models")
     assert models["object"] == "list"
     assert models["data"][0]["id"] == "meta-llama/Llama-3.1-8B-Instruct"
     assert models["data"][0]["owned_by"] == "sglang"
     assert models["data"][0]["max_model_len"] == 131072
     for path in ("/model_info", "/get_model_info"):
-        info = sim.get_json(path)
+        info = twin.get_json(path)
         assert info["model_path"] == "meta-llama/Llama-3.1-8B-Instruct"
         assert info["served_model_name"] == "meta-llama/Llama-3.1-8B-Instruct"
         assert info["tokenizer_path"] == "meta-llama/Llama-3.1-8B-Instruct"
         assert info["is_generation"] is True
     assert small.get_json("/model_info")["served_model_name"] == "tiny"
     for path in ("/server_info", "/get_server_info"):
-        info = sim.get_json(path)
+        info = twin.get_json(path)
         assert info["loadlab_sim"] is True
         assert info["version"].startswith("loadlab-sim ")
         assert info["max_running_requests"] == 2048  # SGLang's rule for 440k tokens at 131072 context
@@ -189,7 +168,7 @@ def test_health_models_and_info(sim, small):
         assert info["max_total_num_tokens"] == 440_000
         assert info["max_req_input_len"] == 131071
         assert info["enable_metrics"] is True and info["enable_cache_report"] is True
-        assert info["port"] == sim.port
+        assert info["port"] == twin.port
         state = info["internal_states"][0]
         assert "last_gen_throughput" in state
         assert state["memory_usage"]["token_capacity"] == 440_000
@@ -202,8 +181,8 @@ def test_health_models_and_info(sim, small):
     assert info["disable_radix_cache"] is True
 
 
-def test_metrics_names_and_counts(sim, small):
-    status, headers, raw = sim.request("GET", "/metrics")
+def test_metrics_names_and_counts(twin, small):
+    status, headers, raw = twin.request("GET", "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     text = raw.decode()
     for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "num_used_tokens", "max_total_num_tokens",
@@ -222,27 +201,27 @@ def test_metrics_names_and_counts(sim, small):
                  "queue_time_seconds"):  # fmt: skip
         assert f"# TYPE sglang:{name} histogram" in text
     assert 'model_name="meta-llama/Llama-3.1-8B-Instruct"' in text
-    assert sim.metric("sglang:max_total_num_tokens") == 440_000
+    assert twin.metric("sglang:max_total_num_tokens") == 440_000
 
-    before = {n: sim.metric(f"sglang:{n}") for n in ("generation_tokens_total", "prompt_tokens_total",
+    before = {n: twin.metric(f"sglang:{n}") for n in ("generation_tokens_total", "prompt_tokens_total",
                                                        "num_requests_total")}  # fmt: skip
-    ttft_before = sim.metric("sglang:time_to_first_token_seconds_count")
-    itl_before = sim.metric("sglang:inter_token_latency_seconds_count")
-    sim.events("/generate", native(rand_ids(37), 10))
-    assert sim.metric("sglang:generation_tokens_total") - before["generation_tokens_total"] == 10
-    assert sim.metric("sglang:prompt_tokens_total") - before["prompt_tokens_total"] == 37
-    assert sim.metric("sglang:num_requests_total") - before["num_requests_total"] == 1
-    assert sim.metric("sglang:time_to_first_token_seconds_count") - ttft_before == 1
-    assert sim.metric("sglang:inter_token_latency_seconds_count") - itl_before == 9
-    assert sim.metric("sglang:num_running_reqs") == 0
+    ttft_before = twin.metric("sglang:time_to_first_token_seconds_count")
+    itl_before = twin.metric("sglang:inter_token_latency_seconds_count")
+    twin.events("/generate", native(rand_ids(37), 10))
+    assert twin.metric("sglang:generation_tokens_total") - before["generation_tokens_total"] == 10
+    assert twin.metric("sglang:prompt_tokens_total") - before["prompt_tokens_total"] == 37
+    assert twin.metric("sglang:num_requests_total") - before["num_requests_total"] == 1
+    assert twin.metric("sglang:time_to_first_token_seconds_count") - ttft_before == 1
+    assert twin.metric("sglang:inter_token_latency_seconds_count") - itl_before == 9
+    assert twin.metric("sglang:num_running_reqs") == 0
     assert small.request("GET", "/metrics")[0] == 404  # metrics are off there
 
 
 # --------------------------------------------------------------------------------------------------------
 # Native /generate
 # --------------------------------------------------------------------------------------------------------
-def test_generate_stream_shape(sim):
-    events = sim.events(
+def test_generate_stream_shape(twin):
+    events = twin.events(
         "/generate",
         {"text": "hello world and more", "sampling_params": {"max_new_tokens": 20, "ignore_eos": True},
          "stream": True, "rid": "my-rid-1"},
@@ -275,8 +254,8 @@ def test_generate_stream_shape(sim):
     assert any(ord(c) > 127 for c in events[-1]["text"])  # multi-byte UTF-8 in the output
 
 
-def test_generate_non_stream_and_ids(sim):
-    status, obj = sim.post_json("/generate", native(rand_ids(50), 12, stream=False))
+def test_generate_non_stream_and_ids(twin):
+    status, obj = twin.post_json("/generate", native(rand_ids(50), 12, stream=False))
     assert status == 200
     meta = obj["meta_info"]
     assert re.fullmatch(r"[0-9a-f]{32}", meta["id"])
@@ -284,12 +263,12 @@ def test_generate_non_stream_and_ids(sim):
     assert meta["prompt_tokens"] == 50
     assert meta["finish_reason"] == {"type": "length", "length": 12}
     assert len(obj["text"].split()) == 12
-    # Default max_new_tokens is 128; ignore_eos false also runs to the limit (the sim never emits EOS).
-    status, obj = sim.post_json("/generate", {"input_ids": rand_ids(5)})
+    # Default max_new_tokens is 128; ignore_eos false also runs to the limit (the twin never emits EOS).
+    status, obj = twin.post_json("/generate", {"input_ids": rand_ids(5)})
     assert status == 200 and obj["meta_info"]["completion_tokens"] == 128
 
 
-def test_stream_interval_coalesces_tokens(sim, small):
+def test_stream_interval_coalesces_tokens(twin, small):
     events = small.events("/generate", native(rand_ids(20), 17))[:-1]
     counts = [e["meta_info"]["completion_tokens"] for e in events]
     assert counts == [1, 5, 9, 13, 17]  # first token at once, then 4 at a time
@@ -298,7 +277,7 @@ def test_stream_interval_coalesces_tokens(sim, small):
     # Per request, sampling_params.stream_interval overrides the server's.
     body = native(rand_ids(20), 7)
     body["sampling_params"]["stream_interval"] = 3
-    events = sim.events("/generate", body)[:-1]
+    events = twin.events("/generate", body)[:-1]
     assert [e["meta_info"]["completion_tokens"] for e in events] == [1, 4, 7]
     # OpenAI deltas carry several words per chunk too.
     chunks = small.events("/v1/completions", {"prompt": "a b c", "max_tokens": 9, "stream": True})[:-1]
@@ -309,7 +288,7 @@ def test_a_slow_reader_gets_coalesced_events_and_loses_nothing():
     """Events are pushed to the socket as tokens are made; once a reader is 64 KiB behind (beyond what the
     kernel buffers: up to 4 MiB here), the stream waits for it instead, and tokens made meanwhile arrive
     together (cumulative native text, so nothing is lost)."""
-    fast = Sim("--gpu", "h200")  # ~4.6 ms per token: ~800 tokens make the 4 MiB the kernel holds
+    fast = Twin("--gpu", "h200")  # ~4.6 ms per token: ~800 tokens make the 4 MiB the kernel holds
     try:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -336,8 +315,8 @@ def test_a_slow_reader_gets_coalesced_events_and_loses_nothing():
 # --------------------------------------------------------------------------------------------------------
 # OpenAI-compatible APIs
 # --------------------------------------------------------------------------------------------------------
-def test_completions_stream_shape(sim):
-    events = sim.events(
+def test_completions_stream_shape(twin):
+    events = twin.events(
         "/v1/completions",
         {"model": "whatever", "prompt": "one two three four five", "max_tokens": 10, "stream": True,
          "ignore_eos": True, "stream_options": {"include_usage": True}},
@@ -363,7 +342,7 @@ def test_completions_stream_shape(sim):
     assert usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # --enable-cache-report
 
     # continuous_usage_stats: cumulative usage on every chunk; no include_usage -> no usage chunk.
-    events = sim.events(
+    events = twin.events(
         "/v1/completions",
         {
             "prompt": [11, 12, 13],
@@ -376,7 +355,7 @@ def test_completions_stream_shape(sim):
     assert all(e["choices"] for e in events[:-1])
 
     # Non-streaming, default max_tokens 16, model defaults to the served name.
-    status, obj = sim.post_json("/v1/completions", {"prompt": "x y"})
+    status, obj = twin.post_json("/v1/completions", {"prompt": "x y"})
     assert status == 200
     assert obj["object"] == "text_completion"
     assert obj["model"] == "meta-llama/Llama-3.1-8B-Instruct"
@@ -385,9 +364,9 @@ def test_completions_stream_shape(sim):
     assert len(obj["choices"][0]["text"].split()) == 16
 
 
-def test_chat_stream_shape(sim):
+def test_chat_stream_shape(twin):
     messages = [{"role": "system", "content": "you are a b c"}, {"role": "user", "content": "hi there"}]
-    events = sim.events(
+    events = twin.events(
         "/v1/chat/completions",
         {
             "model": "m",
@@ -419,12 +398,12 @@ def test_chat_stream_shape(sim):
                               "prompt_tokens_details": {"cached_tokens": usage["usage"]["prompt_tokens_details"]
                                                         ["cached_tokens"]}, "reasoning_tokens": 0}  # fmt: skip
     # Without include_usage: no usage chunk, usage null everywhere.
-    events = sim.events("/v1/chat/completions", {"messages": messages, "max_tokens": 3, "stream": True})
+    events = twin.events("/v1/chat/completions", {"messages": messages, "max_tokens": 3, "stream": True})
     assert len(events) == 1 + 3 + 1 + 1
     assert all(e["usage"] is None for e in events[:-1])
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     # Non-streaming.
-    status, obj = sim.post_json("/v1/chat/completions", {"messages": messages, "max_tokens": 5})
+    status, obj = twin.post_json("/v1/chat/completions", {"messages": messages, "max_tokens": 5})
     assert status == 200 and obj["object"] == "chat.completion"
     assert obj["choices"][0]["message"]["role"] == "assistant"
     assert len(obj["choices"][0]["message"]["content"].split()) == 5
@@ -438,8 +417,8 @@ async def _first_two_chat_chunks(url: str):
     return events
 
 
-def test_chat_role_chunk_comes_with_first_token(sim):
-    events = asyncio.run(_first_two_chat_chunks(sim.url))
+def test_chat_role_chunk_comes_with_first_token(twin):
+    events = asyncio.run(_first_two_chat_chunks(twin.url))
     (t_role, role), (t_first, first) = events[0], events[1]
     assert role["choices"][0]["delta"]["role"] == "assistant"
     assert first["choices"][0]["delta"]["content"]
@@ -449,21 +428,21 @@ def test_chat_role_chunk_comes_with_first_token(sim):
 # --------------------------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------------------------
-def test_error_formats(sim, small):
-    status, _, raw = sim.request("POST", "/generate", b"{not json")
+def test_error_formats(twin, small):
+    status, _, raw = twin.request("POST", "/generate", b"{not json")
     assert status == 400 and "message" in orjson.loads(raw)["error"]
     for path in ("/v1/completions", "/v1/chat/completions"):
-        status, _, raw = sim.request("POST", path, b"{not json")
+        status, _, raw = twin.request("POST", path, b"{not json")
         err = orjson.loads(raw)
         assert status == 400
         assert err["object"] == "error" and err["type"] == "BadRequestError" and err["code"] == 400
-    status, err = sim.post_json("/v1/completions", {"prompt": "a", "max_tokens": 0})
+    status, err = twin.post_json("/v1/completions", {"prompt": "a", "max_tokens": 0})
     assert status == 400 and err["message"] == "max_tokens must be positive"
-    status, err = sim.post_json("/v1/completions", {"prompt": ""})
+    status, err = twin.post_json("/v1/completions", {"prompt": ""})
     assert status == 400 and err["type"] == "BadRequestError"
-    status, err = sim.post_json("/v1/chat/completions", {"max_tokens": 3})
+    status, err = twin.post_json("/v1/chat/completions", {"max_tokens": 3})
     assert status == 400 and err["type"] == "BadRequestError"
-    status, err = sim.post_json("/generate", {"sampling_params": {"max_new_tokens": 3}})
+    status, err = twin.post_json("/generate", {"sampling_params": {"max_new_tokens": 3}})
     assert status == 400 and "input_ids" in err["error"]["message"]
 
     # Too long for the 4096-token context: streaming /generate reports it after the 200 headers.
@@ -526,12 +505,12 @@ def test_queue_full_and_running_limit(small):
 # --------------------------------------------------------------------------------------------------------
 # Prefix cache
 # --------------------------------------------------------------------------------------------------------
-def test_prefix_cache_hits_and_misses(sim, small):
+def test_prefix_cache_hits_and_misses(twin, small):
     system = rand_words(1500)
-    first = sim.post_json(
+    first = twin.post_json(
         "/generate", {"text": system + " first question here", "sampling_params": {"max_new_tokens": 2}}
     )
-    second = sim.post_json(
+    second = twin.post_json(
         "/generate", {"text": system + " another one", "sampling_params": {"max_new_tokens": 2}}
     )
     assert first[1]["meta_info"]["cached_tokens"] == 0
@@ -540,25 +519,25 @@ def test_prefix_cache_hits_and_misses(sim, small):
     assert meta["cached_tokens"] == 1500
     # Unrelated prompts share nothing.
     for _ in range(3):
-        status, obj = sim.post_json("/generate", native(rand_ids(1000), 2, stream=False))
+        status, obj = twin.post_json("/generate", native(rand_ids(1000), 2, stream=False))
         assert obj["meta_info"]["cached_tokens"] <= 1
     # A fully repeated prompt: all but the last token come from the cache.
     ids = rand_ids(300)
-    sim.post_json("/generate", native(ids, 2, stream=False))
-    assert sim.post_json("/generate", native(ids, 2, stream=False))[1]["meta_info"]["cached_tokens"] == 299
+    twin.post_json("/generate", native(ids, 2, stream=False))
+    assert twin.post_json("/generate", native(ids, 2, stream=False))[1]["meta_info"]["cached_tokens"] == 299
     # Chat: a shared system message is cached across users; cache-report shows it in usage.
     sys_msg = {"role": "system", "content": rand_words(800)}
     for q in ("what is up", "tell me more please"):
-        status, obj = sim.post_json(
+        status, obj = twin.post_json(
             "/v1/chat/completions", {"messages": [sys_msg, {"role": "user", "content": q}], "max_tokens": 2}
         )
     assert obj["usage"]["prompt_tokens_details"]["cached_tokens"] >= 800
     # A follow-up chat turn that repeats the reply hits the cache for the whole history but the last token.
     turn = [{"role": "user", "content": rand_words(30)}]
-    first = sim.post_json("/v1/chat/completions", {"messages": turn, "max_tokens": 10})[1]
+    first = twin.post_json("/v1/chat/completions", {"messages": turn, "max_tokens": 10})[1]
     turn += [first["choices"][0]["message"], {"role": "user", "content": "and then"}]
     turn[1] = {"role": "assistant", "content": turn[1]["content"]}
-    second = sim.post_json("/v1/chat/completions", {"messages": turn, "max_tokens": 10})[1]
+    second = twin.post_json("/v1/chat/completions", {"messages": turn, "max_tokens": 10})[1]
     # SGLang caches prompt + output minus the last output token (its KV was never computed).
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["total_tokens"] - 1
     # With --disable-radix-cache nothing is cached.
@@ -567,28 +546,28 @@ def test_prefix_cache_hits_and_misses(sim, small):
     assert small.post_json("/generate", native(ids, 2, stream=False))[1]["meta_info"]["cached_tokens"] == 0
 
 
-def test_cached_prefix_skips_prefill_time(sim):
+def test_cached_prefix_skips_prefill_time(twin):
     prefix = rand_ids(4000)
-    cold = sim.post_json("/generate", native(prefix + rand_ids(20), 1, stream=False))[1]["meta_info"]
-    warm = sim.post_json("/generate", native(prefix + rand_ids(20), 1, stream=False))[1]["meta_info"]
+    cold = twin.post_json("/generate", native(prefix + rand_ids(20), 1, stream=False))[1]["meta_info"]
+    warm = twin.post_json("/generate", native(prefix + rand_ids(20), 1, stream=False))[1]["meta_info"]
     assert warm["cached_tokens"] == 4000
     assert cold["first_token_latency"] > 0.25  # ~4k tokens at ~13k tokens/s
     assert warm["first_token_latency"] < cold["first_token_latency"] / 5
 
 
-def test_flush_cache(sim):
+def test_flush_cache(twin):
     ids = rand_ids(200)
-    sim.post_json("/generate", native(ids, 2, stream=False))
-    status, _, body = sim.request("POST", "/flush_cache")
+    twin.post_json("/generate", native(ids, 2, stream=False))
+    status, _, body = twin.request("POST", "/flush_cache")
     assert status == 200 and body.startswith(b"Cache flushed")
-    assert sim.post_json("/generate", native(ids, 2, stream=False))[1]["meta_info"]["cached_tokens"] == 0
-    assert sim.request("GET", "/flush_cache")[0] == 200
+    assert twin.post_json("/generate", native(ids, 2, stream=False))[1]["meta_info"]["cached_tokens"] == 0
+    assert twin.request("GET", "/flush_cache")[0] == 200
 
     async def flush_while_busy():
         async with aiohttp.ClientSession() as s:
-            task = asyncio.create_task(timed_stream(s, sim.url + "/generate", native(rand_ids(10), 30)))
+            task = asyncio.create_task(timed_stream(s, twin.url + "/generate", native(rand_ids(10), 30)))
             await asyncio.sleep(0.1)
-            async with s.post(sim.url + "/flush_cache") as r:
+            async with s.post(twin.url + "/flush_cache") as r:
                 status = r.status
             await task
             return status
@@ -614,8 +593,8 @@ async def _timing(url: str):
         return ttft, single_gap, mean_gap(one), sorted(mean_gap(ev) for _, ev in many)
 
 
-def test_timing_single_and_batched(sim):
-    ttft, gap_1024, gap_one, gaps_16 = asyncio.run(_timing(sim.url))
+def test_timing_single_and_batched(twin):
+    ttft, gap_1024, gap_one, gaps_16 = asyncio.run(_timing(twin.url))
     assert 0.060 < ttft < 0.110  # twin.md: a 1024-token prompt on an idle A100 ~80 ms
     assert 0.010 < gap_1024 < 0.013  # ~10.9 ms per decode step at batch 1
     assert 0.010 < gap_one < 0.013
@@ -638,17 +617,17 @@ async def _disconnect(url: str):
     return seen
 
 
-def test_client_disconnect_aborts_request(sim):
-    aborted = sim.metric("sglang:num_aborted_requests_total")
-    assert asyncio.run(_disconnect(sim.url)) == 3
+def test_client_disconnect_aborts_request(twin):
+    aborted = twin.metric("sglang:num_aborted_requests_total")
+    assert asyncio.run(_disconnect(twin.url)) == 3
     deadline = time.time() + 3
     while time.time() < deadline:
-        if sim.metric("sglang:num_running_reqs") == 0 and sim.metric("sglang:num_used_tokens") == 0:
+        if twin.metric("sglang:num_running_reqs") == 0 and twin.metric("sglang:num_used_tokens") == 0:
             break
         time.sleep(0.05)
-    assert sim.metric("sglang:num_running_reqs") == 0
-    assert sim.metric("sglang:num_used_tokens") == 0  # its KV freed
-    assert sim.metric("sglang:num_aborted_requests_total") == aborted + 1
+    assert twin.metric("sglang:num_running_reqs") == 0
+    assert twin.metric("sglang:num_used_tokens") == 0  # its KV freed
+    assert twin.metric("sglang:num_aborted_requests_total") == aborted + 1
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -666,7 +645,7 @@ def test_bad_flags_exit_2_without_traceback():
 
 
 def test_sigterm_exits_cleanly():
-    s = Sim()
+    s = Twin()
     assert s.request("GET", "/health")[0] == 200
     assert s.stop() == 0
 
@@ -822,7 +801,7 @@ def test_tokenizer_file(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
-    s = Sim("--tokenizer", str(path))
+    s = Twin("--tokenizer", str(path))
     try:
         status, obj = s.post_json(
             "/generate", {"text": "hello,world hello", "sampling_params": {"max_new_tokens": 2}}

@@ -1,34 +1,31 @@
-"""Real clients talk to the simulated server: the official OpenAI Python client, streaming and not."""
+"""Real clients talk to the twin: the official OpenAI Python client, streaming and not."""
 
 from __future__ import annotations
-
-import sys
 
 import openai
 import pytest
 
-from loadlab.testing import ServerProcess
+from loadlab.testing.servers import start_twin
 
 
 @pytest.fixture(scope="module")
-def sim():
-    server = ServerProcess([sys.executable, "-m", "loadlab", "sim", "--port", "0", "--enable-cache-report"])
-    server.start()
+def twin():
+    server = start_twin("--enable-cache-report")
     yield server
     server.stop()
 
 
-def _client(sim):
-    return openai.OpenAI(base_url=sim.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+def _client(twin):
+    return openai.OpenAI(base_url=twin.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
-def test_openai_client_lists_the_model(sim):
-    models = _client(sim).models.list()
+def test_openai_client_lists_the_model(twin):
+    models = _client(twin).models.list()
     assert len(models.data) == 1 and models.data[0].id
 
 
-def test_openai_client_streams_chat_with_usage(sim):
-    client = _client(sim)
+def test_openai_client_streams_chat_with_usage(twin):
+    client = _client(twin)
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(
         model=model,
@@ -47,8 +44,8 @@ def test_openai_client_streams_chat_with_usage(sim):
     assert chunks[0].choices[0].delta.role == "assistant"
 
 
-def test_openai_client_completions_non_streaming(sim):
-    client = _client(sim)
+def test_openai_client_completions_non_streaming(twin):
+    client = _client(twin)
     model = client.models.list().data[0].id
     reply = client.completions.create(
         model=model, prompt="alpha beta gamma", max_tokens=5, extra_body={"ignore_eos": True}
@@ -58,8 +55,8 @@ def test_openai_client_completions_non_streaming(sim):
     assert reply.choices[0].text
 
 
-def test_openai_client_sees_errors_as_exceptions(sim):
-    client = _client(sim)
+def test_openai_client_sees_errors_as_exceptions(twin):
+    client = _client(twin)
     model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="x", max_tokens=10**9)
