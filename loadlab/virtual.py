@@ -370,4 +370,4 @@ def run_virtual(
     return run_dir
 
 
-__all__ = ["VirtualRun", "run_virtual", "simulate"]
+__all__ = ["run_virtual", "simulate"]

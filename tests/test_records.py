@@ -66,3 +66,9 @@ def test_report_on_a_broken_manifest_is_one_line(tmp_path):
                           text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "manifest.json: not readable JSON" in done.stderr
+
+
+def test_every_outcome_is_documented():
+    from loadlab.records import OUTCOMES
+
+    assert documented_paths(DOCS.read_text(), "## Outcomes") == set(OUTCOMES)
