@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from loadlab.analysis import compute_summary, write_report
+from loadlab.analysis import Summary, compute_summary, write_report
 from loadlab.analysis.metrics import in_flight, itl_samples, pooled_events, token_events
 from loadlab.records import RecordWriter, RequestRecord, write_manifest, write_parquet
 
@@ -96,17 +96,17 @@ def test_percentiles_are_exact_numpy_and_use_bench_serving_keys(tmp_path):
         for i, (a, b) in enumerate(zip(ttfts, e2es, strict=True))
     ]
     s = summarize(tmp_path, records)
-    for stem, truth in (("ttft_ms", ttfts), ("e2e_latency_ms", e2es)):
-        assert s[f"mean_{stem}"] == pytest.approx(np.mean(truth))
-        assert s[f"median_{stem}"] == pytest.approx(np.median(truth))
-        assert s[f"std_{stem}"] == pytest.approx(np.std(truth))
+    for stats, truth in ((s.ttft_ms, ttfts), (s.e2e_latency_ms, e2es)):
+        assert stats.mean == pytest.approx(np.mean(truth))
+        assert stats.median == pytest.approx(np.median(truth))
+        assert stats.std == pytest.approx(np.std(truth))
         for p in (90, 95, 99):
-            assert s[f"p{p}_{stem}"] == pytest.approx(np.percentile(truth, p))
-        assert s[f"min_{stem}"] == pytest.approx(truth.min())
-        assert s[f"max_{stem}"] == pytest.approx(truth.max())
+            assert getattr(stats, f"p{p}") == pytest.approx(np.percentile(truth, p))
+        assert stats.min == pytest.approx(truth.min())
+        assert stats.max == pytest.approx(truth.max())
     # p99 of 37 samples lies strictly between the two largest: linear interpolation, not nearest rank.
     top = np.sort(ttfts)[-2:]
-    assert top[0] < s["p99_ttft_ms"] < top[1]
+    assert top[0] < s.ttft_ms.p99 < top[1]
     for key in (
         "duration",
         "completed",
@@ -117,12 +117,13 @@ def test_percentiles_are_exact_numpy_and_use_bench_serving_keys(tmp_path):
         "output_throughput",
         "concurrency",
     ):
-        assert key in s
-    for stem in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
+        assert key in s.dump()
+    for stem in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):  # bench_serving's flat keys on disk
         for stat in STATS:
-            assert f"{stat}_{stem}" in s
+            assert f"{stat}_{stem}" in s.dump()
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk == s
+    assert on_disk == s.dump() and on_disk["version"] == 1
+    assert Summary.read(tmp_path) == s
 
 
 def test_tpot_bench_serving_formula_and_decode_variant(tmp_path):
@@ -135,17 +136,17 @@ def test_tpot_bench_serving_formula_and_decode_variant(tmp_path):
     ]
     s = summarize(tmp_path, records)
     tpots = [1000.0 / 10, 1000.0 / 4]
-    assert s["samples"]["tpot_ms"] == 2
-    assert s["mean_tpot_ms"] == pytest.approx(np.mean(tpots))
-    assert s["max_tpot_ms"] == pytest.approx(250.0)
-    assert s["min_tpot_ms"] == pytest.approx(100.0)
+    assert s.samples.tpot_ms == 2
+    assert s.tpot_ms.mean == pytest.approx(np.mean(tpots))
+    assert s.tpot_ms.max == pytest.approx(250.0)
+    assert s.tpot_ms.min == pytest.approx(100.0)
     # Decode variant: divide by tokens after the first event (11 - 4 = 7, 5 - 1 = 4).
     decode = [1000.0 / 7, 1000.0 / 4]
-    assert s["samples"]["tpot_decode_ms"] == 2
-    assert s["mean_tpot_decode_ms"] == pytest.approx(np.mean(decode))
-    assert s["min_tpot_decode_ms"] == pytest.approx(1000.0 / 7)
+    assert s.samples.tpot_decode_ms == 2
+    assert s.tpot_decode_ms.mean == pytest.approx(np.mean(decode))
+    assert s.tpot_decode_ms.min == pytest.approx(1000.0 / 7)
     for stat in ("mean", "median", "p90", "p95", "p99"):
-        assert f"{stat}_tpot_decode_ms" in s
+        assert f"{stat}_tpot_decode_ms" in s.dump()
 
 
 def test_itl_is_per_token_with_multi_token_events():
@@ -195,25 +196,25 @@ def test_itl_pooled_over_requests(tmp_path):
     s = summarize(tmp_path, records)
     pooled = [20.0] * 5 + [30.0] + [20.0] * 3
     events = [80.0, 20.0, 30.0, 60.0]
-    assert s["samples"]["itl_ms"] == 9
-    assert s["mean_itl_ms"] == pytest.approx(np.mean(pooled))
-    assert s["p90_itl_ms"] == pytest.approx(np.percentile(pooled, 90))
-    assert s["samples"]["itl_per_event_ms"] == 4
-    assert s["mean_itl_per_event_ms"] == pytest.approx(np.mean(events))
-    assert s["max_itl_per_event_ms"] == pytest.approx(80.0)
+    assert s.samples.itl_ms == 9
+    assert s.itl_ms.mean == pytest.approx(np.mean(pooled))
+    assert s.itl_ms.p90 == pytest.approx(np.percentile(pooled, 90))
+    assert s.samples.itl_per_event_ms == 4
+    assert s.itl_per_event_ms.mean == pytest.approx(np.mean(events))
+    assert s.itl_per_event_ms.max == pytest.approx(80.0)
 
 
 def test_warmup_excluded(tmp_path):
     records = [rec(i, phase="warmup", t=i, ttft=5000.0, e2e=9000.0) for i in range(3)]
     records += [rec(10 + i, t=10 + i, ttft=100.0 + i, e2e=500.0) for i in range(4)]
     s = summarize(tmp_path, records)
-    assert s["warmup_requests"] == 3
-    assert s["measured_requests"] == 4
-    assert s["completed"] == 4
-    assert s["max_ttft_ms"] == pytest.approx(103.0)
-    assert s["max_e2e_latency_ms"] == pytest.approx(500.0)
+    assert s.warmup_requests == 3
+    assert s.measured_requests == 4
+    assert s.completed == 4
+    assert s.ttft_ms.max == pytest.approx(103.0)
+    assert s.e2e_latency_ms.max == pytest.approx(500.0)
     # The window starts at the first measured send (t=10), ends at the last measured end (13.5 s).
-    assert s["duration"] == pytest.approx(3.5)
+    assert s.duration == pytest.approx(3.5)
 
 
 def test_failures_counted_by_kind_and_excluded_from_latency(tmp_path):
@@ -226,17 +227,17 @@ def test_failures_counted_by_kind_and_excluded_from_latency(tmp_path):
         rec(5, phase="warmup", outcome="dropped", t=-5, ttft=None, e2e=10.0),
     ]
     s = summarize(tmp_path, records)
-    assert s["completed"] == 2
-    assert s["failed"] == 3
-    assert s["failures"] == {"http_error": 2, "timeout": 1}
-    assert s["samples"]["ttft_ms"] == 2
-    assert s["max_ttft_ms"] == pytest.approx(120.0)
-    assert s["max_e2e_latency_ms"] == pytest.approx(1000.0)
-    assert s["samples"]["itl_ms"] == 0 and s["mean_itl_ms"] is None
+    assert s.completed == 2
+    assert s.failed == 3
+    assert s.failures == {"http_error": 2, "timeout": 1}
+    assert s.samples.ttft_ms == 2
+    assert s.ttft_ms.max == pytest.approx(120.0)
+    assert s.e2e_latency_ms.max == pytest.approx(1000.0)
+    assert s.samples.itl_ms == 0 and s.itl_ms.mean is None
     # The timed-out request still bounds the measured window: 0 .. 20 s.
-    assert s["duration"] == pytest.approx(20.0)
-    assert s["request_throughput"] == pytest.approx(2 / 20.0)
-    assert s["slo"]["failed_requests"] == 3
+    assert s.duration == pytest.approx(20.0)
+    assert s.request_throughput == pytest.approx(2 / 20.0)
+    assert s.slo.failed_requests == 3
 
 
 def test_in_flight_sweep_hand_made_schedule():
@@ -258,18 +259,18 @@ def test_in_flight_includes_warmup_and_failures(tmp_path):
         rec(2, phase="warmup", t=-5, ttft=100.0, e2e=8000.0),  # W: [-5, 3)
     ]
     s = summarize(tmp_path, records)
-    assert s["duration"] == pytest.approx(15.0)
+    assert s.duration == pytest.approx(15.0)
     # [0,3): 2, [3,5): 1, [5,10): 2, [10,15): 1
-    assert s["in_flight"]["mean"] == pytest.approx((2 * 3 + 1 * 2 + 2 * 5 + 1 * 5) / 15)
-    assert s["in_flight"]["min"] == 1
-    assert s["in_flight"]["max"] == 2
+    assert s.in_flight.mean == pytest.approx((2 * 3 + 1 * 2 + 2 * 5 + 1 * 5) / 15)
+    assert s.in_flight.min == 1
+    assert s.in_flight.max == 2
     # bench_serving's concurrency: completed measured E2E / duration, warm-up not included.
-    assert s["concurrency"] == pytest.approx(20 / 15)
+    assert s.concurrency == pytest.approx(20 / 15)
 
     failing = records + [rec(3, outcome="stream_error", t=2, ttft=None, e2e=2000.0)]  # [2, 4)
     s = compute_summary(_df(failing), {})
-    assert s["in_flight"]["max"] == 3  # [2,3): A, W, failing
-    assert s["concurrency"] == pytest.approx(20 / 15)
+    assert s.in_flight.max == 3  # [2,3): A, W, failing
+    assert s.concurrency == pytest.approx(20 / 15)
 
 
 def _df(records):
@@ -283,14 +284,14 @@ def test_throughput_and_token_totals(tmp_path):
         rec(2, outcome="http_error", t=1, ttft=None, e2e=1.0, prompt=None, input_len=999),
     ]
     s = summarize(tmp_path, records)
-    assert s["duration"] == pytest.approx(4.0)
-    assert s["total_input_tokens"] == 550  # server count, then the intended length for request 1
-    assert s["input_tokens_fallback"] == 1
-    assert s["total_output_tokens"] == 30
-    assert s["request_throughput"] == pytest.approx(2 / 4)
-    assert s["input_throughput"] == pytest.approx(550 / 4)
-    assert s["output_throughput"] == pytest.approx(30 / 4)
-    assert s["total_throughput"] == pytest.approx(580 / 4)
+    assert s.duration == pytest.approx(4.0)
+    assert s.total_input_tokens == 550  # server count, then the intended length for request 1
+    assert s.input_tokens_fallback == 1
+    assert s.total_output_tokens == 30
+    assert s.request_throughput == pytest.approx(2 / 4)
+    assert s.input_throughput == pytest.approx(550 / 4)
+    assert s.output_throughput == pytest.approx(30 / 4)
+    assert s.total_throughput == pytest.approx(580 / 4)
 
 
 def test_cached_token_ratio(tmp_path):
@@ -301,12 +302,12 @@ def test_cached_token_ratio(tmp_path):
         rec(3, outcome="timeout", prompt=1000, cached=1000),  # failed: left out
     ]
     s = summarize(tmp_path, records)
-    assert s["cached_token_ratio"] == pytest.approx(50 / 400)
-    assert s["cached_tokens_reported"] == 2
+    assert s.cached_token_ratio == pytest.approx(50 / 400)
+    assert s.cached_tokens_reported == 2
 
     s = compute_summary(_df([rec(0, cached=None)]), {})
-    assert s["cached_token_ratio"] is None
-    assert s["cached_tokens_reported"] == 0
+    assert s.cached_token_ratio is None
+    assert s.cached_tokens_reported == 0
 
 
 def test_slo_pass_and_fail(tmp_path):
@@ -318,28 +319,28 @@ def test_slo_pass_and_fail(tmp_path):
         "complete": True,
     }
     s = summarize(tmp_path, records, manifest)
-    objectives = {o["metric"]: o for o in s["slo"]["objectives"]}
+    objectives = {o.metric: o for o in s.slo.objectives}
     assert set(objectives) == {"ttft_ms", "e2e_latency_ms"}
-    assert objectives["ttft_ms"]["value_ms"] == pytest.approx(p95)
-    assert objectives["ttft_ms"]["percentile"] == 95
-    assert objectives["ttft_ms"]["pass"] is True
-    assert objectives["e2e_latency_ms"]["pass"] is False
-    assert s["slo"]["pass"] is False
+    assert objectives["ttft_ms"].value_ms == pytest.approx(p95)
+    assert objectives["ttft_ms"].percentile == 95
+    assert objectives["ttft_ms"].passed is True
+    assert objectives["e2e_latency_ms"].passed is False
+    assert s.slo.passed is False
 
     manifest["profile"]["slo"] = {"ttft_p95_ms": 470.0}
-    assert compute_summary(_df(records), manifest)["slo"]["pass"] is False
+    assert compute_summary(_df(records), manifest).slo.passed is False
     manifest["profile"]["slo"] = {"ttft_p95_ms": 480.0}
-    assert compute_summary(_df(records), manifest)["slo"]["pass"] is True
+    assert compute_summary(_df(records), manifest).slo.passed is True
 
     # An objective with no samples fails: every output is one token, so there is no TPOT.
     manifest["profile"]["slo"] = {"ttft_p95_ms": 1e6, "tpot_p95_ms": 1e6}
     s = compute_summary(_df(records), manifest)
-    tpot = next(o for o in s["slo"]["objectives"] if o["metric"] == "tpot_ms")
-    assert tpot["value_ms"] is None and tpot["pass"] is False
-    assert s["slo"]["pass"] is False
+    tpot = next(o for o in s.slo.objectives if o.metric == "tpot_ms")
+    assert tpot.value_ms is None and tpot.passed is False
+    assert s.slo.passed is False
 
     s = compute_summary(_df(records), {})
-    assert s["slo"]["objectives"] == [] and s["slo"]["pass"] is None
+    assert s.slo.objectives == [] and s.slo.passed is None
 
 
 def test_short_outputs_and_inexact_token_counts(tmp_path):
@@ -350,40 +351,40 @@ def test_short_outputs_and_inexact_token_counts(tmp_path):
         rec(3, outcome="timeout", output=2, max_new=8, exact=False),  # failed: neither
     ]
     s = summarize(tmp_path, records)
-    assert s["short_outputs"] == 2
-    assert s["tokens_per_event_inexact"] == 1
+    assert s.short_outputs == 2
+    assert s.tokens_per_event_inexact == 1
 
 
 def test_empty_and_all_failed_runs(tmp_path):
     (tmp_path / "empty").mkdir()
     s = summarize(tmp_path / "empty", [], {"complete": False, "counts": {"measured_expected": 10}})
-    assert s["completed"] == 0 and s["failed"] == 0 and s["measured_requests"] == 0
-    assert s["duration"] is None and s["request_throughput"] is None
-    assert s["mean_ttft_ms"] is None and s["p99_itl_ms"] is None
-    assert s["partial"] is True and s["expected_measured"] == 10
+    assert s.completed == 0 and s.failed == 0 and s.measured_requests == 0
+    assert s.duration is None and s.request_throughput is None
+    assert s.ttft_ms.mean is None and s.itl_ms.p99 is None
+    assert s.partial is True and s.expected_measured == 10
     assert "Partial run" in (tmp_path / "empty" / "summary.md").read_text()
 
     (tmp_path / "failed").mkdir()
     records = [rec(i, outcome="connect_error", t=i, ttft=None, e2e=None, prompt=None) for i in range(3)]
     s = summarize(tmp_path / "failed", records)
-    assert s["failed"] == 3 and s["failures"] == {"connect_error": 3}
-    assert s["completed"] == 0 and s["total_output_tokens"] == 0
-    assert s["duration"] == pytest.approx(2.0)  # sends only: no e2e
-    assert s["request_throughput"] == 0.0
-    assert s["mean_e2e_latency_ms"] is None
-    assert s["cached_token_ratio"] is None
+    assert s.failed == 3 and s.failures == {"connect_error": 3}
+    assert s.completed == 0 and s.total_output_tokens == 0
+    assert s.duration == pytest.approx(2.0)  # sends only: no e2e
+    assert s.request_throughput == 0.0
+    assert s.e2e_latency_ms.mean is None
+    assert s.cached_token_ratio is None
 
     (tmp_path / "none").mkdir()
     write_manifest(tmp_path / "none", {})
     s = write_report(tmp_path / "none")  # no records file at all (killed before any request)
-    assert s["measured_requests"] == 0 and s["records_source"] is None
+    assert s.measured_requests == 0 and s.records_source is None
 
 
 def test_null_columns_and_missing_columns():
     df = pd.DataFrame({"phase": ["measure"], "outcome": ["ok"], "ttft_ms": [None], "e2e_ms": [None]})
     s = compute_summary(df, None)
-    assert s["completed"] == 1 and s["mean_ttft_ms"] is None and s["duration"] is None
-    json.dumps(s, allow_nan=False)
+    assert s.completed == 1 and s.ttft_ms.mean is None and s.duration is None
+    json.dumps(s.dump(), allow_nan=False)
 
 
 def test_parquet_gives_the_same_summary_as_jsonl(tmp_path):
@@ -414,10 +415,10 @@ def test_parquet_gives_the_same_summary_as_jsonl(tmp_path):
     from_jsonl = write_report(run)
     write_parquet(run)
     from_parquet = write_report(run)
-    assert from_jsonl.pop("records_source") == "records.jsonl"
-    assert from_parquet.pop("records_source") == "records.parquet"
-    assert from_parquet == from_jsonl
-    assert from_jsonl["samples"]["itl_ms"] > 0 and from_jsonl["failed"] > 0
+    assert from_jsonl.records_source == "records.jsonl"
+    assert from_parquet.records_source == "records.parquet"
+    assert from_parquet == from_jsonl.model_copy(update={"records_source": "records.parquet"})
+    assert from_jsonl.samples.itl_ms > 0 and from_jsonl.failed > 0
 
 
 def test_markdown_view(tmp_path):
@@ -433,8 +434,8 @@ def test_markdown_view(tmp_path):
     }
     records = [rec(0), rec(1, outcome="timeout")]
     s = summarize(tmp_path, records, manifest)
-    assert s["load_model"] == "closed loop, 32 in flight"
-    assert s["max_concurrency"] == 32
+    assert s.load_model == "closed loop, 32 in flight"
+    assert s.max_concurrency == 32
     md = (tmp_path / "summary.md").read_text()
     assert "run-42" in md and "rag" in md
     assert "closed loop, 32 in flight" in md
@@ -454,28 +455,39 @@ def test_open_loop_latency_also_counted_from_the_due_time(tmp_path):
         records.append(r)
     s = summarize(tmp_path, records)
     queue = np.arange(10) * 10.0
-    assert s["median_client_queue_ms"] == pytest.approx(np.percentile(queue, 50))
-    assert s["p99_ttft_from_scheduled_ms"] == pytest.approx(np.percentile(100.0 + queue, 99))
-    assert s["max_e2e_from_scheduled_ms"] == pytest.approx(590.0)
-    assert s["p99_ttft_ms"] == pytest.approx(100.0)  # from the actual send: unchanged
+    assert s.client_queue_ms.median == pytest.approx(np.percentile(queue, 50))
+    assert s.ttft_from_scheduled_ms.p99 == pytest.approx(np.percentile(100.0 + queue, 99))
+    assert s.e2e_from_scheduled_ms.max == pytest.approx(590.0)
+    assert s.ttft_ms.p99 == pytest.approx(100.0)  # from the actual send: unchanged
     md = (tmp_path / "summary.md").read_text()
     assert "TTFT from due time" in md and "Client queue (send - due)" in md
     # A closed-loop run schedules nothing: no such rows.
     closed_dir = tmp_path / "closed"
     closed_dir.mkdir()
     closed = summarize(closed_dir, [rec(i, t=i) for i in range(3)])
-    assert "p99_ttft_from_scheduled_ms" not in closed
+    assert closed.ttft_from_scheduled_ms is None and closed.samples.ttft_from_scheduled_ms is None
+    assert (
+        "p99_ttft_from_scheduled_ms" not in closed.dump()
+        and "client_queue_ms" not in closed.dump()["samples"]
+    )
     assert "TTFT from due time" not in (closed_dir / "summary.md").read_text()
 
 
 def test_compare_calls_out_the_changes_that_matter():
     from loadlab.analysis.compare import compare, render
 
-    a = {"output_throughput": 1000.0, "p95_ttft_ms": 500.0, "p95_tpot_ms": 20.0, "failed": 0,
-         "load_model": "closed loop, 32 in flight", "server": {"peak_token_usage": 0.5}}  # fmt: skip
-    b = {"output_throughput": 1200.0, "p95_ttft_ms": 800.0, "p95_tpot_ms": 20.5, "failed": 3,
-         "load_model": "closed loop, 64 in flight", "server": {"peak_token_usage": 0.5},
-         "client": {"client_bound": True}}  # fmt: skip
+    base = compute_summary(_df([rec(0)]), {}).dump()
+
+    def summary(**flat):  # summary.json's keys over a one-request run's
+        return Summary.model_validate({**base, **flat})
+
+    server = {**base["server"], "peak_token_usage": 0.5}
+    bound = {"error_bound_ms": 2.0, "client_bound": True, "reasons": ["w0: 90% CPU (mean; limit 65%)"],
+             "limits": {"lateness_p99_ms": 5.0, "cpu_mean": 0.65}, "generators": []}  # fmt: skip
+    a = summary(output_throughput=1000.0, p95_ttft_ms=500.0, p95_tpot_ms=20.0, failed=0,
+                load_model="closed loop, 32 in flight", server=server)  # fmt: skip
+    b = summary(output_throughput=1200.0, p95_ttft_ms=800.0, p95_tpot_ms=20.5, failed=3,
+                load_model="closed loop, 64 in flight", server=server, client=bound)  # fmt: skip
     rows = {r["figure"]: r for r in compare(a, b)}
     assert rows["output throughput"]["verdict"] == "better" and rows["output throughput"]["change"] == 0.2
     assert rows["TTFT P95"]["verdict"] == "worse" and rows["TTFT P95"]["change"] == pytest.approx(0.6)
@@ -577,9 +589,9 @@ def test_server_queue_time_from_meta_info_stands_in_for_metrics(tmp_path):
     for r, queue in zip(records, (10.0, 20.0, 30.0, 100.0), strict=True):
         r.server_queue_ms = queue
     s = summarize(tmp_path, records)
-    assert s["mean_server_queue_ms"] == 40.0 and s["median_server_queue_ms"] == 25.0
+    assert s.server_queue_ms.mean == 40.0 and s.server_queue_ms.median == 25.0
     # No /metrics scraped: the mean queue delay column comes from the events, and says so.
-    assert s["server"]["mean_queue_time_ms"] == 40.0 and s["server"]["queue_time_source"] == "meta_info"
+    assert s.server.mean_queue_time_ms == 40.0 and s.server.queue_time_source == "meta_info"
     md = (tmp_path / "summary.md").read_text()
     assert "Mean queue delay (from meta_info.queue_time): 40.00 ms" in md
     assert "| Server queue (meta_info) | 4 | 40.00 | 25.00 |" in md

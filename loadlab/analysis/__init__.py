@@ -3,5 +3,6 @@ records, and the report files (summary.json, summary.md). Definitions: docs/metr
 
 from loadlab.analysis.metrics import compute_summary
 from loadlab.analysis.report import render_markdown, write_report
+from loadlab.analysis.summary import Summary, SummaryError
 
-__all__ = ["compute_summary", "render_markdown", "write_report"]
+__all__ = ["Summary", "SummaryError", "compute_summary", "render_markdown", "write_report"]
