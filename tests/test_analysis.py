@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
+import typing
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from pydantic import BaseModel, ValidationError
 
-from loadlab.analysis import Summary, compute_summary, write_report
+from loadlab.analysis import Summary, SummaryError, compute_summary, metrics, write_report
 from loadlab.analysis.metrics import in_flight, itl_samples, pooled_events, token_events
+from loadlab.analysis.summary import LATENCY_STEMS, SUMMARY_JSON, LatencyStats, Samples
 from loadlab.records import RecordWriter, RequestRecord, write_manifest, write_parquet
 
 T0 = 1_700_000_000.0
@@ -595,3 +600,134 @@ def test_server_queue_time_from_meta_info_stands_in_for_metrics(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "Mean queue delay (from meta_info.queue_time): 40.00 ms" in md
     assert "| Server queue (meta_info) | 4 | 40.00 | 25.00 |" in md
+
+
+# ---------------------------------------------------------------------------------------------------
+# summary.json: the model is the contract, and docs/metrics.md documents all of it
+
+METRICS_MD = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+
+def _models_in(annotation, in_list=False):
+    """(model, inside a list) for each summary model an annotation holds: X, X | None, list[X]."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation, in_list
+    elif typing.get_origin(annotation) is list:
+        yield from _models_in(typing.get_args(annotation)[0], True)
+    else:  # a union (X | None); dict, Literal and plain types hold no model
+        for arg in typing.get_args(annotation):
+            yield from _models_in(arg, in_list)
+
+
+def _is_latency(field) -> bool:
+    return any(model is LatencyStats for model, _ in _models_in(field.annotation))
+
+
+def _documented_fields() -> dict[str, list[str]]:
+    """What each ### part of the doc's "summary.json fields" must list: the JSON names of its model's
+    fields. Found by walking Summary and every model nested in it; the latency metrics (flat
+    <stat>_<X> keys on disk) are under "Latency statistics"."""
+    parts: dict[str, list[str]] = {"Latency statistics": [*LatencyStats.model_fields, *LATENCY_STEMS]}
+
+    def walk(model, path):
+        parts["Top level" if not path else f"`{path}`"] = [
+            field.alias or name for name, field in model.model_fields.items() if not _is_latency(field)
+        ]
+        for name, field in model.model_fields.items():
+            for sub, in_list in _models_in(field.annotation):
+                if sub is not LatencyStats:
+                    walk(
+                        sub, ".".join(p for p in (path, field.alias or name) if p) + ("[]" if in_list else "")
+                    )
+
+    walk(Summary, "")
+    return parts
+
+
+def _doc_tables() -> dict[str, list[str]]:
+    """The names in the first column of the tables of each ### part of "## summary.json fields"."""
+    text = METRICS_MD.read_text()
+    assert "\n## summary.json fields\n" in text, "docs/metrics.md has no '## summary.json fields' section"
+    section = text.split("\n## summary.json fields\n", 1)[1].split("\n## ", 1)[0]
+    tables = {}
+    for part in section.split("\n### ")[1:]:
+        heading, _, body = part.partition("\n")
+        tables[heading.strip()] = re.findall(r"^\| `([^`]+)` \|", body, flags=re.MULTILINE)
+    return tables
+
+
+def test_every_summary_field_is_documented():
+    expected, tables = _documented_fields(), _doc_tables()
+    assert len(expected) == 10  # Summary, the latency statistics and the eight nested models
+    for part, names in expected.items():
+        assert part in tables, f"docs/metrics.md, summary.json fields: no '### {part}'"
+        missing = [n for n in names if n not in tables[part]]
+        assert not missing, f"docs/metrics.md, summary.json fields, {part}: not documented: {missing}"
+        stale = [n for n in tables[part] if n not in names]
+        assert not stale, f"docs/metrics.md, summary.json fields, {part}: not in the model: {stale}"
+    assert set(tables) == set(expected), "docs/metrics.md, summary.json fields: a part for no model"
+    for model in set(_walk_models(Summary)):  # and described in the model itself
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name}: no description"
+
+
+def _walk_models(model):
+    yield model
+    for field in model.model_fields.values():
+        for sub, _ in _models_in(field.annotation):
+            yield from _walk_models(sub)
+
+
+def test_summary_json_is_checked_against_the_model(tmp_path, monkeypatch):
+    records = []
+    for i in range(6):
+        r = rec(i, t=i * 0.5, events=decoding(4, 100.0, 10.0))
+        r.t_scheduled_wall = r.t_send_wall - 0.001 * i  # open loop: the due-time metrics are there
+        records.append(r)
+    s = summarize(tmp_path, records, {"run_id": "r", "complete": True, "profile": {"slo": {"ttfx_p9_ms": 1}}})
+    on_disk = json.loads((tmp_path / SUMMARY_JSON).read_text())
+    assert Summary.read(tmp_path) == s and s.dump() == on_disk
+    assert on_disk["version"] == 1 and on_disk["schema"] == "loadlab.summary/1"
+    assert s.client_queue_ms is not None and "p99_client_queue_ms" in on_disk
+    assert "server_queue_ms" not in on_disk["samples"] and "mean_server_queue_ms" not in on_disk
+    assert on_disk["slo"]["unrecognized"] == ["ttfx_p9_ms"] and "peak_token_usage" not in on_disk["server"]
+    assert set(Samples.model_fields) == set(LATENCY_STEMS)
+
+    # Unknown keys (at the top, inside a part, a statistic nobody computes), missing keys, half a metric
+    # and NaN are all errors.
+    missing = dict(on_disk)
+    del missing["duration"]
+    half = dict(on_disk)
+    del half["p99_itl_ms"]
+    for bad in (
+        {**on_disk, "p42_ttft_ms": 1.0},
+        {**on_disk, "server": {**on_disk["server"], "gpu": "H100"}},
+        {**on_disk, "slo": {**on_disk["slo"], "objectives": [{"key": "x"}]}},
+        missing,
+        half,
+        {**on_disk, "mean_server_queue_ms": 1.0},  # one statistic of a metric without samples
+        {**on_disk, "duration": float("nan")},
+    ):
+        with pytest.raises(ValidationError):
+            Summary.model_validate(bad)
+    # compute_summary builds the model the same way: a key it starts to produce without the model
+    # knowing it fails at once.
+    monkeypatch.setattr(metrics, "PERCENTILES", (90, 95, 99, 99.9))
+    with pytest.raises(ValidationError, match="p99.9_ttft_ms"):
+        compute_summary(_df(records), {})
+    monkeypatch.undo()
+
+    # Summary.read says what is wrong in one line; another version is refused; a summary written before
+    # the version key reads as version 1.
+    path = tmp_path / SUMMARY_JSON
+    path.write_text(json.dumps({**on_disk, "surprise": 1}))
+    with pytest.raises(SummaryError, match=r"surprise: Extra inputs are not permitted.*loadlab report"):
+        Summary.read(tmp_path)
+    path.write_text(json.dumps({**on_disk, "version": 2}))
+    with pytest.raises(SummaryError, match="summary version 2; this loadlab reads version 1"):
+        Summary.read(tmp_path)
+    path.write_text(json.dumps({k: v for k, v in on_disk.items() if k != "version"}))
+    assert Summary.read(tmp_path) == s
+    path.unlink()
+    with pytest.raises(SummaryError, match="no such file"):
+        Summary.read(tmp_path)
