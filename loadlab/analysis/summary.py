@@ -371,24 +371,29 @@ class Summary(_Model):
     def read(cls, run_dir: Path) -> Summary:
         """RUN_DIR/summary.json; ``SummaryError`` when it is missing, unreadable or another version's."""
         path = Path(run_dir) / SUMMARY_JSON
+        fix = f"loadlab report {run_dir} rewrites it from the records"
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise SummaryError(f"{path}: no such file (loadlab report {run_dir} writes it)") from None
+            raise SummaryError(f"{path}: no such file ({fix})") from None
         except (OSError, ValueError) as e:
-            raise SummaryError(f"{path}: unreadable: {e}") from None
-        return cls.from_json_dict(data, where=str(path))
+            raise SummaryError(f"{path}: unreadable ({e}); {fix}") from None
+        return cls.from_json_dict(data, where=str(path), fix=fix)
 
     @classmethod
-    def from_json_dict(cls, data: Any, where: str = "summary") -> Summary:
+    def from_json_dict(
+        cls,
+        data: Any,
+        where: str = "summary",
+        fix: str = "loadlab report RUN_DIR rewrites it from the records",
+    ) -> Summary:
         """A summary from the JSON object of summary.json; ``SummaryError`` when it is not this version's."""
         if not isinstance(data, dict):
-            raise SummaryError(f"{where}: not a JSON object")
+            raise SummaryError(f"{where}: not a JSON object; {fix}")
         version = data.get("version", SUMMARY_VERSION)
         if version != SUMMARY_VERSION:
             raise SummaryError(
-                f"{where}: summary version {version!r}; this loadlab reads version {SUMMARY_VERSION} "
-                "(loadlab report RUN_DIR rewrites it from the records)"
+                f"{where}: summary version {version!r}; this loadlab reads version {SUMMARY_VERSION} ({fix})"
             )
         try:
             return cls.model_validate(data)
@@ -397,7 +402,7 @@ class Summary(_Model):
             loc = ".".join(str(part) for part in first["loc"]) or "(top level)"
             raise SummaryError(
                 f"{where}: not a version-{SUMMARY_VERSION} summary ({e.error_count()} problem(s); {loc}: "
-                f"{first['msg']}); loadlab report RUN_DIR rewrites it from the records"
+                f"{first['msg']}); {fix}"
             ) from None
 
 
