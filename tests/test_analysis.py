@@ -731,3 +731,25 @@ def test_summary_json_is_checked_against_the_model(tmp_path, monkeypatch):
     path.unlink()
     with pytest.raises(SummaryError, match="no such file"):
         Summary.read(tmp_path)
+
+
+def test_client_calibration_from_the_manifest(tmp_path):
+    from loadlab.lateness import LatenessHistogram
+    from loadlab.swarm.calibration import verdict  # gevent: only this test needs it
+
+    probe = LatenessHistogram()
+    for ms in (0.2, 0.4, 9.0):
+        probe.record(ms / 1000)
+    generators = [
+        {"worker_id": "h:1", "probe_lateness_ms": probe.summary_ms(), "cpu_mean": 0.9, "cpu_max": 1.0},
+        {"worker_id": "h:2", "probe_lateness_ms": LatenessHistogram().summary_ms(), "cpu_mean": None,
+         "cpu_max": None, "seconds": 3.0},
+    ]  # fmt: skip
+    manifest = {"run_id": "r", "complete": True, "client": verdict(generators, 5.0, 0.65)}
+    s = summarize(tmp_path, [rec(0)], manifest)
+    assert s.client.client_bound and len(s.client.reasons) == 2
+    assert s.client.limits.lateness_p99_ms == 5.0 and s.client.generators[0].cpu_mean == 0.9
+    assert s.client.error_bound_ms == s.client.generators[0].probe_lateness_p99_ms > 5.0
+    md = (tmp_path / "summary.md").read_text()
+    assert "worst of 2); CPU 90% of a core" in md and "**Client-bound**" in md
+    assert Summary.read(tmp_path) == s
