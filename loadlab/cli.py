@@ -220,14 +220,20 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_compare(args) -> int:
+    # lazy, as the line above: the report stack (pandas, numpy, pydantic) loads only for this command
     from loadlab.analysis.compare import compare, load_summary, render
+    from loadlab.analysis.summary import SummaryError
 
     dirs = [Path(args.run_a), Path(args.run_b)]
     for d in dirs:
         if not d.is_dir():
             print(f"loadlab: {d}: not a run directory", file=sys.stderr)
             return exits.BAD_INPUT
-    a, b = (load_summary(d) for d in dirs)
+    try:
+        a, b = (load_summary(d) for d in dirs)
+    except SummaryError as e:
+        print(f"loadlab: {e}", file=sys.stderr)
+        return exits.BAD_INPUT
     print(render(dirs[0], dirs[1], a, b, compare(a, b)), end="")
     return exits.OK
 

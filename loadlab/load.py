@@ -135,15 +135,14 @@ class Tickets:
         return self.all_done.is_set()
 
 
-def describe_load(profile: Profile, users: int, virtual: bool = False) -> LoadDescription:
-    """The load the run applies: the closed loop's concurrency, or the open loop's rate and cap. ``users``
-    is Locust's user count (the closed loop's concurrency, the open loop's cap); an open loop asked
-    without a cap and given a user for every request has no cap in the client."""
+def describe_load(profile: Profile, users: int) -> LoadDescription:
+    """The load the run applies, in the words every report uses: the closed loop's concurrency, or the
+    open loop's rate and cap. ``users`` is Locust's user count (the closed loop's concurrency, the open
+    loop's cap); an open loop asked without a cap and given a user for every request has no cap."""
     load = profile.load
-    where = " (virtual time)" if virtual else ""
     if load.model == "closed":
         return LoadDescription(
-            model="closed", concurrency=users, description=f"closed loop, {users} in flight{where}"
+            model="closed", concurrency=users, description=f"closed loop, {users} in flight"
         )
     uncapped = load.concurrency is None and users >= profile.requests.warmup + profile.requests.measured
     cap = "no cap on requests in flight" if uncapped else f"at most {users} in flight"
@@ -153,5 +152,5 @@ def describe_load(profile: Profile, users: int, virtual: bool = False) -> LoadDe
         arrival=load.arrival,
         concurrency=None if uncapped else users,
         users=users,
-        description=f"open loop, {load.rate:g} req/s ({load.arrival}), {cap}{where}",
+        description=f"open loop, {load.rate:g} req/s ({load.arrival}), {cap}",
     )

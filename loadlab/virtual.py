@@ -343,9 +343,7 @@ def run_virtual(
         ),
         model=settings.served_model_name,
         # One "user" per request in flight: the cap, or every request when there is none.
-        load=describe_load(
-            profile, profile.load.concurrency or requests.warmup + requests.measured, virtual=True
-        ),
+        load=describe_load(profile, profile.load.concurrency or requests.warmup + requests.measured),
         virtual=True,
         sim=shown,
         started_wall=epoch,

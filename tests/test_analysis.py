@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
+import typing
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from pydantic import BaseModel, ValidationError
 
-from loadlab.analysis import compute_summary, write_report
+from loadlab.analysis import Summary, SummaryError, compute_summary, metrics, write_report
 from loadlab.analysis.metrics import in_flight, itl_samples, pooled_events, token_events
-from loadlab.records import RecordWriter, RequestRecord, write_manifest, write_parquet
+from loadlab.analysis.summary import LATENCY_STEMS, SUMMARY_JSON, LatencyStats, Samples
+from loadlab.manifest import Manifest, write_manifest
+from loadlab.records import RecordWriter, RequestRecord, write_parquet
 
 T0 = 1_700_000_000.0
 STATS = ("mean", "median", "std", "p90", "p95", "p99", "min", "max")
@@ -62,14 +68,34 @@ def rec(
     )
 
 
+def make_manifest(profile: dict | None = None, **fields) -> Manifest:
+    """A run manifest with what these tests set; the rest as a closed-loop run would have it."""
+    profile = {"name": "p", **(profile or {})}
+    concurrency = (profile.get("load") or {}).get("concurrency", 1)
+    base = {
+        "run_id": "r1",
+        "complete": True,
+        "profile": profile,
+        "target": {"url": "http://127.0.0.1:30000"},
+        "load": {
+            "model": "closed",
+            "concurrency": concurrency,
+            "description": f"closed loop, {concurrency} in flight",
+        },
+        "started_wall": 0.0,
+        "counts": {"warmup_expected": 0, "measured_expected": 0},
+        "versions": {"loadlab": "0", "python": "3", "platform": "test"},
+        "command": ["test"],
+    }
+    return Manifest.model_validate({**base, **fields})
+
+
 def make_run(tmp_path, records, manifest=None, parquet=False):
     writer = RecordWriter(tmp_path)
     for r in records:
         writer.write(r)
     writer.close()
-    if manifest is None:
-        manifest = {"run_id": "r1", "complete": True, "profile": {"name": "p"}}
-    write_manifest(tmp_path, manifest)
+    write_manifest(tmp_path, manifest if manifest is not None else make_manifest())
     if parquet:
         write_parquet(tmp_path)
     return tmp_path
@@ -96,17 +122,17 @@ def test_percentiles_are_exact_numpy_and_use_bench_serving_keys(tmp_path):
         for i, (a, b) in enumerate(zip(ttfts, e2es, strict=True))
     ]
     s = summarize(tmp_path, records)
-    for stem, truth in (("ttft_ms", ttfts), ("e2e_latency_ms", e2es)):
-        assert s[f"mean_{stem}"] == pytest.approx(np.mean(truth))
-        assert s[f"median_{stem}"] == pytest.approx(np.median(truth))
-        assert s[f"std_{stem}"] == pytest.approx(np.std(truth))
+    for stats, truth in ((s.ttft_ms, ttfts), (s.e2e_latency_ms, e2es)):
+        assert stats.mean == pytest.approx(np.mean(truth))
+        assert stats.median == pytest.approx(np.median(truth))
+        assert stats.std == pytest.approx(np.std(truth))
         for p in (90, 95, 99):
-            assert s[f"p{p}_{stem}"] == pytest.approx(np.percentile(truth, p))
-        assert s[f"min_{stem}"] == pytest.approx(truth.min())
-        assert s[f"max_{stem}"] == pytest.approx(truth.max())
+            assert getattr(stats, f"p{p}") == pytest.approx(np.percentile(truth, p))
+        assert stats.min == pytest.approx(truth.min())
+        assert stats.max == pytest.approx(truth.max())
     # p99 of 37 samples lies strictly between the two largest: linear interpolation, not nearest rank.
     top = np.sort(ttfts)[-2:]
-    assert top[0] < s["p99_ttft_ms"] < top[1]
+    assert top[0] < s.ttft_ms.p99 < top[1]
     for key in (
         "duration",
         "completed",
@@ -117,12 +143,13 @@ def test_percentiles_are_exact_numpy_and_use_bench_serving_keys(tmp_path):
         "output_throughput",
         "concurrency",
     ):
-        assert key in s
-    for stem in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
+        assert key in s.dump()
+    for stem in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):  # bench_serving's flat keys on disk
         for stat in STATS:
-            assert f"{stat}_{stem}" in s
+            assert f"{stat}_{stem}" in s.dump()
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk == s
+    assert on_disk == s.dump() and on_disk["version"] == 1
+    assert Summary.read(tmp_path) == s
 
 
 def test_tpot_bench_serving_formula_and_decode_variant(tmp_path):
@@ -135,17 +162,17 @@ def test_tpot_bench_serving_formula_and_decode_variant(tmp_path):
     ]
     s = summarize(tmp_path, records)
     tpots = [1000.0 / 10, 1000.0 / 4]
-    assert s["samples"]["tpot_ms"] == 2
-    assert s["mean_tpot_ms"] == pytest.approx(np.mean(tpots))
-    assert s["max_tpot_ms"] == pytest.approx(250.0)
-    assert s["min_tpot_ms"] == pytest.approx(100.0)
+    assert s.samples.tpot_ms == 2
+    assert s.tpot_ms.mean == pytest.approx(np.mean(tpots))
+    assert s.tpot_ms.max == pytest.approx(250.0)
+    assert s.tpot_ms.min == pytest.approx(100.0)
     # Decode variant: divide by tokens after the first event (11 - 4 = 7, 5 - 1 = 4).
     decode = [1000.0 / 7, 1000.0 / 4]
-    assert s["samples"]["tpot_decode_ms"] == 2
-    assert s["mean_tpot_decode_ms"] == pytest.approx(np.mean(decode))
-    assert s["min_tpot_decode_ms"] == pytest.approx(1000.0 / 7)
+    assert s.samples.tpot_decode_ms == 2
+    assert s.tpot_decode_ms.mean == pytest.approx(np.mean(decode))
+    assert s.tpot_decode_ms.min == pytest.approx(1000.0 / 7)
     for stat in ("mean", "median", "p90", "p95", "p99"):
-        assert f"{stat}_tpot_decode_ms" in s
+        assert f"{stat}_tpot_decode_ms" in s.dump()
 
 
 def test_itl_is_per_token_with_multi_token_events():
@@ -195,25 +222,25 @@ def test_itl_pooled_over_requests(tmp_path):
     s = summarize(tmp_path, records)
     pooled = [20.0] * 5 + [30.0] + [20.0] * 3
     events = [80.0, 20.0, 30.0, 60.0]
-    assert s["samples"]["itl_ms"] == 9
-    assert s["mean_itl_ms"] == pytest.approx(np.mean(pooled))
-    assert s["p90_itl_ms"] == pytest.approx(np.percentile(pooled, 90))
-    assert s["samples"]["itl_per_event_ms"] == 4
-    assert s["mean_itl_per_event_ms"] == pytest.approx(np.mean(events))
-    assert s["max_itl_per_event_ms"] == pytest.approx(80.0)
+    assert s.samples.itl_ms == 9
+    assert s.itl_ms.mean == pytest.approx(np.mean(pooled))
+    assert s.itl_ms.p90 == pytest.approx(np.percentile(pooled, 90))
+    assert s.samples.itl_per_event_ms == 4
+    assert s.itl_per_event_ms.mean == pytest.approx(np.mean(events))
+    assert s.itl_per_event_ms.max == pytest.approx(80.0)
 
 
 def test_warmup_excluded(tmp_path):
     records = [rec(i, phase="warmup", t=i, ttft=5000.0, e2e=9000.0) for i in range(3)]
     records += [rec(10 + i, t=10 + i, ttft=100.0 + i, e2e=500.0) for i in range(4)]
     s = summarize(tmp_path, records)
-    assert s["warmup_requests"] == 3
-    assert s["measured_requests"] == 4
-    assert s["completed"] == 4
-    assert s["max_ttft_ms"] == pytest.approx(103.0)
-    assert s["max_e2e_latency_ms"] == pytest.approx(500.0)
+    assert s.warmup_requests == 3
+    assert s.measured_requests == 4
+    assert s.completed == 4
+    assert s.ttft_ms.max == pytest.approx(103.0)
+    assert s.e2e_latency_ms.max == pytest.approx(500.0)
     # The window starts at the first measured send (t=10), ends at the last measured end (13.5 s).
-    assert s["duration"] == pytest.approx(3.5)
+    assert s.duration == pytest.approx(3.5)
 
 
 def test_failures_counted_by_kind_and_excluded_from_latency(tmp_path):
@@ -226,17 +253,17 @@ def test_failures_counted_by_kind_and_excluded_from_latency(tmp_path):
         rec(5, phase="warmup", outcome="dropped", t=-5, ttft=None, e2e=10.0),
     ]
     s = summarize(tmp_path, records)
-    assert s["completed"] == 2
-    assert s["failed"] == 3
-    assert s["failures"] == {"http_error": 2, "timeout": 1}
-    assert s["samples"]["ttft_ms"] == 2
-    assert s["max_ttft_ms"] == pytest.approx(120.0)
-    assert s["max_e2e_latency_ms"] == pytest.approx(1000.0)
-    assert s["samples"]["itl_ms"] == 0 and s["mean_itl_ms"] is None
+    assert s.completed == 2
+    assert s.failed == 3
+    assert s.failures == {"http_error": 2, "timeout": 1}
+    assert s.samples.ttft_ms == 2
+    assert s.ttft_ms.max == pytest.approx(120.0)
+    assert s.e2e_latency_ms.max == pytest.approx(1000.0)
+    assert s.samples.itl_ms == 0 and s.itl_ms.mean is None
     # The timed-out request still bounds the measured window: 0 .. 20 s.
-    assert s["duration"] == pytest.approx(20.0)
-    assert s["request_throughput"] == pytest.approx(2 / 20.0)
-    assert s["slo"]["failed_requests"] == 3
+    assert s.duration == pytest.approx(20.0)
+    assert s.request_throughput == pytest.approx(2 / 20.0)
+    assert s.slo.failed_requests == 3
 
 
 def test_in_flight_sweep_hand_made_schedule():
@@ -258,18 +285,18 @@ def test_in_flight_includes_warmup_and_failures(tmp_path):
         rec(2, phase="warmup", t=-5, ttft=100.0, e2e=8000.0),  # W: [-5, 3)
     ]
     s = summarize(tmp_path, records)
-    assert s["duration"] == pytest.approx(15.0)
+    assert s.duration == pytest.approx(15.0)
     # [0,3): 2, [3,5): 1, [5,10): 2, [10,15): 1
-    assert s["in_flight"]["mean"] == pytest.approx((2 * 3 + 1 * 2 + 2 * 5 + 1 * 5) / 15)
-    assert s["in_flight"]["min"] == 1
-    assert s["in_flight"]["max"] == 2
+    assert s.in_flight.mean == pytest.approx((2 * 3 + 1 * 2 + 2 * 5 + 1 * 5) / 15)
+    assert s.in_flight.min == 1
+    assert s.in_flight.max == 2
     # bench_serving's concurrency: completed measured E2E / duration, warm-up not included.
-    assert s["concurrency"] == pytest.approx(20 / 15)
+    assert s.concurrency == pytest.approx(20 / 15)
 
     failing = records + [rec(3, outcome="stream_error", t=2, ttft=None, e2e=2000.0)]  # [2, 4)
-    s = compute_summary(_df(failing), {})
-    assert s["in_flight"]["max"] == 3  # [2,3): A, W, failing
-    assert s["concurrency"] == pytest.approx(20 / 15)
+    s = compute_summary(_df(failing), None)
+    assert s.in_flight.max == 3  # [2,3): A, W, failing
+    assert s.concurrency == pytest.approx(20 / 15)
 
 
 def _df(records):
@@ -283,14 +310,14 @@ def test_throughput_and_token_totals(tmp_path):
         rec(2, outcome="http_error", t=1, ttft=None, e2e=1.0, prompt=None, input_len=999),
     ]
     s = summarize(tmp_path, records)
-    assert s["duration"] == pytest.approx(4.0)
-    assert s["total_input_tokens"] == 550  # server count, then the intended length for request 1
-    assert s["input_tokens_fallback"] == 1
-    assert s["total_output_tokens"] == 30
-    assert s["request_throughput"] == pytest.approx(2 / 4)
-    assert s["input_throughput"] == pytest.approx(550 / 4)
-    assert s["output_throughput"] == pytest.approx(30 / 4)
-    assert s["total_throughput"] == pytest.approx(580 / 4)
+    assert s.duration == pytest.approx(4.0)
+    assert s.total_input_tokens == 550  # server count, then the intended length for request 1
+    assert s.input_tokens_fallback == 1
+    assert s.total_output_tokens == 30
+    assert s.request_throughput == pytest.approx(2 / 4)
+    assert s.input_throughput == pytest.approx(550 / 4)
+    assert s.output_throughput == pytest.approx(30 / 4)
+    assert s.total_throughput == pytest.approx(580 / 4)
 
 
 def test_cached_token_ratio(tmp_path):
@@ -301,45 +328,42 @@ def test_cached_token_ratio(tmp_path):
         rec(3, outcome="timeout", prompt=1000, cached=1000),  # failed: left out
     ]
     s = summarize(tmp_path, records)
-    assert s["cached_token_ratio"] == pytest.approx(50 / 400)
-    assert s["cached_tokens_reported"] == 2
+    assert s.cached_token_ratio == pytest.approx(50 / 400)
+    assert s.cached_tokens_reported == 2
 
-    s = compute_summary(_df([rec(0, cached=None)]), {})
-    assert s["cached_token_ratio"] is None
-    assert s["cached_tokens_reported"] == 0
+    s = compute_summary(_df([rec(0, cached=None)]), None)
+    assert s.cached_token_ratio is None
+    assert s.cached_tokens_reported == 0
 
 
 def test_slo_pass_and_fail(tmp_path):
     ttfts = [100.0, 200.0, 300.0, 400.0, 500.0]
     records = [rec(i, t=i, ttft=t, e2e=1000.0) for i, t in enumerate(ttfts)]
     p95 = float(np.percentile(ttfts, 95))  # 480
-    manifest = {
-        "profile": {"slo": {"ttft_p95_ms": 490.0, "e2e_p95_ms": 999.0, "itl_p95_ms": None}},
-        "complete": True,
-    }
+    manifest = make_manifest({"slo": {"ttft_p95_ms": 490.0, "e2e_p95_ms": 999.0, "itl_p95_ms": None}})
     s = summarize(tmp_path, records, manifest)
-    objectives = {o["metric"]: o for o in s["slo"]["objectives"]}
+    objectives = {o.metric: o for o in s.slo.objectives}
     assert set(objectives) == {"ttft_ms", "e2e_latency_ms"}
-    assert objectives["ttft_ms"]["value_ms"] == pytest.approx(p95)
-    assert objectives["ttft_ms"]["percentile"] == 95
-    assert objectives["ttft_ms"]["pass"] is True
-    assert objectives["e2e_latency_ms"]["pass"] is False
-    assert s["slo"]["pass"] is False
+    assert objectives["ttft_ms"].value_ms == pytest.approx(p95)
+    assert objectives["ttft_ms"].percentile == 95
+    assert objectives["ttft_ms"].passed is True
+    assert objectives["e2e_latency_ms"].passed is False
+    assert s.slo.passed is False
 
-    manifest["profile"]["slo"] = {"ttft_p95_ms": 470.0}
-    assert compute_summary(_df(records), manifest)["slo"]["pass"] is False
-    manifest["profile"]["slo"] = {"ttft_p95_ms": 480.0}
-    assert compute_summary(_df(records), manifest)["slo"]["pass"] is True
+    manifest.profile["slo"] = {"ttft_p95_ms": 470.0}
+    assert compute_summary(_df(records), manifest).slo.passed is False
+    manifest.profile["slo"] = {"ttft_p95_ms": 480.0}
+    assert compute_summary(_df(records), manifest).slo.passed is True
 
     # An objective with no samples fails: every output is one token, so there is no TPOT.
-    manifest["profile"]["slo"] = {"ttft_p95_ms": 1e6, "tpot_p95_ms": 1e6}
+    manifest.profile["slo"] = {"ttft_p95_ms": 1e6, "tpot_p95_ms": 1e6}
     s = compute_summary(_df(records), manifest)
-    tpot = next(o for o in s["slo"]["objectives"] if o["metric"] == "tpot_ms")
-    assert tpot["value_ms"] is None and tpot["pass"] is False
-    assert s["slo"]["pass"] is False
+    tpot = next(o for o in s.slo.objectives if o.metric == "tpot_ms")
+    assert tpot.value_ms is None and tpot.passed is False
+    assert s.slo.passed is False
 
-    s = compute_summary(_df(records), {})
-    assert s["slo"]["objectives"] == [] and s["slo"]["pass"] is None
+    s = compute_summary(_df(records), None)
+    assert s.slo.objectives == [] and s.slo.passed is None
 
 
 def test_short_outputs_and_inexact_token_counts(tmp_path):
@@ -350,40 +374,44 @@ def test_short_outputs_and_inexact_token_counts(tmp_path):
         rec(3, outcome="timeout", output=2, max_new=8, exact=False),  # failed: neither
     ]
     s = summarize(tmp_path, records)
-    assert s["short_outputs"] == 2
-    assert s["tokens_per_event_inexact"] == 1
+    assert s.short_outputs == 2
+    assert s.tokens_per_event_inexact == 1
 
 
 def test_empty_and_all_failed_runs(tmp_path):
     (tmp_path / "empty").mkdir()
-    s = summarize(tmp_path / "empty", [], {"complete": False, "counts": {"measured_expected": 10}})
-    assert s["completed"] == 0 and s["failed"] == 0 and s["measured_requests"] == 0
-    assert s["duration"] is None and s["request_throughput"] is None
-    assert s["mean_ttft_ms"] is None and s["p99_itl_ms"] is None
-    assert s["partial"] is True and s["expected_measured"] == 10
+    s = summarize(
+        tmp_path / "empty",
+        [],
+        make_manifest(complete=False, counts={"warmup_expected": 0, "measured_expected": 10}),
+    )
+    assert s.completed == 0 and s.failed == 0 and s.measured_requests == 0
+    assert s.duration is None and s.request_throughput is None
+    assert s.ttft_ms.mean is None and s.itl_ms.p99 is None
+    assert s.partial is True and s.expected_measured == 10
     assert "Partial run" in (tmp_path / "empty" / "summary.md").read_text()
 
     (tmp_path / "failed").mkdir()
     records = [rec(i, outcome="connect_error", t=i, ttft=None, e2e=None, prompt=None) for i in range(3)]
     s = summarize(tmp_path / "failed", records)
-    assert s["failed"] == 3 and s["failures"] == {"connect_error": 3}
-    assert s["completed"] == 0 and s["total_output_tokens"] == 0
-    assert s["duration"] == pytest.approx(2.0)  # sends only: no e2e
-    assert s["request_throughput"] == 0.0
-    assert s["mean_e2e_latency_ms"] is None
-    assert s["cached_token_ratio"] is None
+    assert s.failed == 3 and s.failures == {"connect_error": 3}
+    assert s.completed == 0 and s.total_output_tokens == 0
+    assert s.duration == pytest.approx(2.0)  # sends only: no e2e
+    assert s.request_throughput == 0.0
+    assert s.e2e_latency_ms.mean is None
+    assert s.cached_token_ratio is None
 
     (tmp_path / "none").mkdir()
-    write_manifest(tmp_path / "none", {})
+    write_manifest(tmp_path / "none", make_manifest())
     s = write_report(tmp_path / "none")  # no records file at all (killed before any request)
-    assert s["measured_requests"] == 0 and s["records_source"] is None
+    assert s.measured_requests == 0 and s.records_source is None
 
 
 def test_null_columns_and_missing_columns():
     df = pd.DataFrame({"phase": ["measure"], "outcome": ["ok"], "ttft_ms": [None], "e2e_ms": [None]})
     s = compute_summary(df, None)
-    assert s["completed"] == 1 and s["mean_ttft_ms"] is None and s["duration"] is None
-    json.dumps(s, allow_nan=False)
+    assert s.completed == 1 and s.ttft_ms.mean is None and s.duration is None
+    json.dumps(s.dump(), allow_nan=False)
 
 
 def test_parquet_gives_the_same_summary_as_jsonl(tmp_path):
@@ -409,32 +437,31 @@ def test_parquet_gives_the_same_summary_as_jsonl(tmp_path):
                 max_new=20,
             )
         )
-    manifest = {"run_id": "r", "complete": True, "profile": {"slo": {"itl_p95_ms": 30.0}}}
+    manifest = make_manifest({"slo": {"itl_p95_ms": 30.0}})
     run = make_run(tmp_path, records, manifest)
     from_jsonl = write_report(run)
     write_parquet(run)
     from_parquet = write_report(run)
-    assert from_jsonl.pop("records_source") == "records.jsonl"
-    assert from_parquet.pop("records_source") == "records.parquet"
-    assert from_parquet == from_jsonl
-    assert from_jsonl["samples"]["itl_ms"] > 0 and from_jsonl["failed"] > 0
+    assert from_jsonl.records_source == "records.jsonl"
+    assert from_parquet.records_source == "records.parquet"
+    assert from_parquet == from_jsonl.model_copy(update={"records_source": "records.parquet"})
+    assert from_jsonl.samples.itl_ms > 0 and from_jsonl.failed > 0
 
 
 def test_markdown_view(tmp_path):
-    manifest = {
-        "run_id": "run-42",
-        "complete": False,
-        "profile": {
+    manifest = make_manifest(
+        {
             "name": "rag",
             "load": {"model": "closed", "concurrency": 32},
             "slo": {"ttft_p95_ms": 1000.0, "e2e_p95_ms": 10.0},
         },
-        "target": {"url": "http://127.0.0.1:30000", "server_info": None},
-    }
+        run_id="run-42",
+        complete=False,
+    )
     records = [rec(0), rec(1, outcome="timeout")]
     s = summarize(tmp_path, records, manifest)
-    assert s["load_model"] == "closed loop, 32 in flight"
-    assert s["max_concurrency"] == 32
+    assert s.load_model == "closed loop, 32 in flight"
+    assert s.max_concurrency == 32
     md = (tmp_path / "summary.md").read_text()
     assert "run-42" in md and "rag" in md
     assert "closed loop, 32 in flight" in md
@@ -454,28 +481,39 @@ def test_open_loop_latency_also_counted_from_the_due_time(tmp_path):
         records.append(r)
     s = summarize(tmp_path, records)
     queue = np.arange(10) * 10.0
-    assert s["median_client_queue_ms"] == pytest.approx(np.percentile(queue, 50))
-    assert s["p99_ttft_from_scheduled_ms"] == pytest.approx(np.percentile(100.0 + queue, 99))
-    assert s["max_e2e_from_scheduled_ms"] == pytest.approx(590.0)
-    assert s["p99_ttft_ms"] == pytest.approx(100.0)  # from the actual send: unchanged
+    assert s.client_queue_ms.median == pytest.approx(np.percentile(queue, 50))
+    assert s.ttft_from_scheduled_ms.p99 == pytest.approx(np.percentile(100.0 + queue, 99))
+    assert s.e2e_from_scheduled_ms.max == pytest.approx(590.0)
+    assert s.ttft_ms.p99 == pytest.approx(100.0)  # from the actual send: unchanged
     md = (tmp_path / "summary.md").read_text()
     assert "TTFT from due time" in md and "Client queue (send - due)" in md
     # A closed-loop run schedules nothing: no such rows.
     closed_dir = tmp_path / "closed"
     closed_dir.mkdir()
     closed = summarize(closed_dir, [rec(i, t=i) for i in range(3)])
-    assert "p99_ttft_from_scheduled_ms" not in closed
+    assert closed.ttft_from_scheduled_ms is None and closed.samples.ttft_from_scheduled_ms is None
+    assert (
+        "p99_ttft_from_scheduled_ms" not in closed.dump()
+        and "client_queue_ms" not in closed.dump()["samples"]
+    )
     assert "TTFT from due time" not in (closed_dir / "summary.md").read_text()
 
 
 def test_compare_calls_out_the_changes_that_matter():
     from loadlab.analysis.compare import compare, render
 
-    a = {"output_throughput": 1000.0, "p95_ttft_ms": 500.0, "p95_tpot_ms": 20.0, "failed": 0,
-         "load_model": "closed loop, 32 in flight", "server": {"peak_token_usage": 0.5}}  # fmt: skip
-    b = {"output_throughput": 1200.0, "p95_ttft_ms": 800.0, "p95_tpot_ms": 20.5, "failed": 3,
-         "load_model": "closed loop, 64 in flight", "server": {"peak_token_usage": 0.5},
-         "client": {"client_bound": True}}  # fmt: skip
+    base = compute_summary(_df([rec(0)]), None).dump()
+
+    def summary(**flat):  # summary.json's keys over a one-request run's
+        return Summary.model_validate({**base, **flat})
+
+    server = {**base["server"], "peak_token_usage": 0.5}
+    bound = {"error_bound_ms": 2.0, "client_bound": True, "reasons": ["w0: 90% CPU (mean; limit 65%)"],
+             "limits": {"lateness_p99_ms": 5.0, "cpu_mean": 0.65}, "generators": []}  # fmt: skip
+    a = summary(output_throughput=1000.0, p95_ttft_ms=500.0, p95_tpot_ms=20.0, failed=0,
+                load_model="closed loop, 32 in flight", server=server)  # fmt: skip
+    b = summary(output_throughput=1200.0, p95_ttft_ms=800.0, p95_tpot_ms=20.5, failed=3,
+                load_model="closed loop, 64 in flight", server=server, client=bound)  # fmt: skip
     rows = {r["figure"]: r for r in compare(a, b)}
     assert rows["output throughput"]["verdict"] == "better" and rows["output throughput"]["change"] == 0.2
     assert rows["TTFT P95"]["verdict"] == "worse" and rows["TTFT P95"]["change"] == pytest.approx(0.6)
@@ -585,9 +623,162 @@ def test_server_queue_time_from_meta_info_stands_in_for_metrics(tmp_path):
     for r, queue in zip(records, (10.0, 20.0, 30.0, 100.0), strict=True):
         r.server_queue_ms = queue
     s = summarize(tmp_path, records)
-    assert s["mean_server_queue_ms"] == 40.0 and s["median_server_queue_ms"] == 25.0
+    assert s.server_queue_ms.mean == 40.0 and s.server_queue_ms.median == 25.0
     # No /metrics scraped: the mean queue delay column comes from the events, and says so.
-    assert s["server"]["mean_queue_time_ms"] == 40.0 and s["server"]["queue_time_source"] == "meta_info"
+    assert s.server.mean_queue_time_ms == 40.0 and s.server.queue_time_source == "meta_info"
     md = (tmp_path / "summary.md").read_text()
     assert "Mean queue delay (from meta_info.queue_time): 40.00 ms" in md
     assert "| Server queue (meta_info) | 4 | 40.00 | 25.00 |" in md
+
+
+# ---------------------------------------------------------------------------------------------------
+# summary.json: the model is the contract, and docs/metrics.md documents all of it
+
+METRICS_MD = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+
+def _models_in(annotation, in_list=False):
+    """(model, inside a list) for each summary model an annotation holds: X, X | None, list[X]."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation, in_list
+    elif typing.get_origin(annotation) is list:
+        yield from _models_in(typing.get_args(annotation)[0], True)
+    else:  # a union (X | None); dict, Literal and plain types hold no model
+        for arg in typing.get_args(annotation):
+            yield from _models_in(arg, in_list)
+
+
+def _is_latency(field) -> bool:
+    return any(model is LatencyStats for model, _ in _models_in(field.annotation))
+
+
+def _documented_fields() -> dict[str, list[str]]:
+    """What each ### part of the doc's "summary.json fields" must list: the JSON names of its model's
+    fields. Found by walking Summary and every model nested in it; the latency metrics (flat
+    <stat>_<X> keys on disk) are under "Latency statistics"."""
+    parts: dict[str, list[str]] = {"Latency statistics": [*LatencyStats.model_fields, *LATENCY_STEMS]}
+
+    def walk(model, path):
+        parts["Top level" if not path else f"`{path}`"] = [
+            field.alias or name for name, field in model.model_fields.items() if not _is_latency(field)
+        ]
+        for name, field in model.model_fields.items():
+            for sub, in_list in _models_in(field.annotation):
+                if sub is not LatencyStats:
+                    walk(
+                        sub, ".".join(p for p in (path, field.alias or name) if p) + ("[]" if in_list else "")
+                    )
+
+    walk(Summary, "")
+    return parts
+
+
+def _doc_tables() -> dict[str, list[str]]:
+    """The names in the first column of the tables of each ### part of "## summary.json fields"."""
+    text = METRICS_MD.read_text()
+    assert "\n## summary.json fields\n" in text, "docs/metrics.md has no '## summary.json fields' section"
+    section = text.split("\n## summary.json fields\n", 1)[1].split("\n## ", 1)[0]
+    tables = {}
+    for part in section.split("\n### ")[1:]:
+        heading, _, body = part.partition("\n")
+        tables[heading.strip()] = re.findall(r"^\| `([^`]+)` \|", body, flags=re.MULTILINE)
+    return tables
+
+
+def test_every_summary_field_is_documented():
+    expected, tables = _documented_fields(), _doc_tables()
+    assert len(expected) == 10  # Summary, the latency statistics and the eight nested models
+    for part, names in expected.items():
+        assert part in tables, f"docs/metrics.md, summary.json fields: no '### {part}'"
+        missing = [n for n in names if n not in tables[part]]
+        assert not missing, f"docs/metrics.md, summary.json fields, {part}: not documented: {missing}"
+        stale = [n for n in tables[part] if n not in names]
+        assert not stale, f"docs/metrics.md, summary.json fields, {part}: not in the model: {stale}"
+    assert set(tables) == set(expected), "docs/metrics.md, summary.json fields: a part for no model"
+    for model in set(_walk_models(Summary)):  # and described in the model itself
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name}: no description"
+
+
+def _walk_models(model):
+    yield model
+    for field in model.model_fields.values():
+        for sub, _ in _models_in(field.annotation):
+            yield from _walk_models(sub)
+
+
+def test_summary_json_is_checked_against_the_model(tmp_path, monkeypatch):
+    records = []
+    for i in range(6):
+        r = rec(i, t=i * 0.5, events=decoding(4, 100.0, 10.0))
+        r.t_scheduled_wall = r.t_send_wall - 0.001 * i  # open loop: the due-time metrics are there
+        records.append(r)
+    s = summarize(tmp_path, records, make_manifest({"slo": {"ttfx_p9_ms": 1}}))
+    on_disk = json.loads((tmp_path / SUMMARY_JSON).read_text())
+    assert Summary.read(tmp_path) == s and s.dump() == on_disk
+    assert on_disk["version"] == 1 and on_disk["schema"] == "loadlab.summary/1"
+    assert s.client_queue_ms is not None and "p99_client_queue_ms" in on_disk
+    assert "server_queue_ms" not in on_disk["samples"] and "mean_server_queue_ms" not in on_disk
+    assert on_disk["slo"]["unrecognized"] == ["ttfx_p9_ms"] and "peak_token_usage" not in on_disk["server"]
+    assert set(Samples.model_fields) == set(LATENCY_STEMS)
+
+    # Unknown keys (at the top, inside a part, a statistic nobody computes), missing keys, half a metric
+    # and NaN are all errors.
+    missing = dict(on_disk)
+    del missing["duration"]
+    half = dict(on_disk)
+    del half["p99_itl_ms"]
+    for bad in (
+        {**on_disk, "p42_ttft_ms": 1.0},
+        {**on_disk, "server": {**on_disk["server"], "gpu": "H100"}},
+        {**on_disk, "slo": {**on_disk["slo"], "objectives": [{"key": "x"}]}},
+        missing,
+        half,
+        {**on_disk, "mean_server_queue_ms": 1.0},  # one statistic of a metric without samples
+        {**on_disk, "duration": float("nan")},
+    ):
+        with pytest.raises(ValidationError):
+            Summary.model_validate(bad)
+    # compute_summary builds the model the same way: a key it starts to produce without the model
+    # knowing it fails at once.
+    monkeypatch.setattr(metrics, "PERCENTILES", (90, 95, 99, 99.9))
+    with pytest.raises(ValidationError, match="p99.9_ttft_ms"):
+        compute_summary(_df(records), None)
+    monkeypatch.undo()
+
+    # Summary.read says what is wrong in one line; another version is refused; a summary written before
+    # the version key reads as version 1.
+    path = tmp_path / SUMMARY_JSON
+    path.write_text(json.dumps({**on_disk, "surprise": 1}))
+    with pytest.raises(SummaryError, match=r"surprise: Extra inputs are not permitted.*loadlab report"):
+        Summary.read(tmp_path)
+    path.write_text(json.dumps({**on_disk, "version": 2}))
+    with pytest.raises(SummaryError, match="summary version 2; this loadlab reads version 1"):
+        Summary.read(tmp_path)
+    path.write_text(json.dumps({k: v for k, v in on_disk.items() if k != "version"}))
+    assert Summary.read(tmp_path) == s
+    path.unlink()
+    with pytest.raises(SummaryError, match="no such file"):
+        Summary.read(tmp_path)
+
+
+def test_client_calibration_from_the_manifest(tmp_path):
+    from loadlab.lateness import LatenessHistogram
+    from loadlab.swarm.calibration import verdict  # gevent: only this test needs it
+
+    probe = LatenessHistogram()
+    for ms in (0.2, 0.4, 9.0):
+        probe.record(ms / 1000)
+    generators = [
+        {"worker_id": "h:1", "probe_lateness_ms": probe.summary_ms(), "cpu_mean": 0.9, "cpu_max": 1.0},
+        {"worker_id": "h:2", "probe_lateness_ms": LatenessHistogram().summary_ms(), "cpu_mean": None,
+         "cpu_max": None, "seconds": 3.0},
+    ]  # fmt: skip
+    manifest = make_manifest(client=verdict(generators, 5.0, 0.65))
+    s = summarize(tmp_path, [rec(0)], manifest)
+    assert s.client.client_bound and len(s.client.reasons) == 2
+    assert s.client.limits.lateness_p99_ms == 5.0 and s.client.generators[0].cpu_mean == 0.9
+    assert s.client.error_bound_ms == s.client.generators[0].probe_lateness_p99_ms > 5.0
+    md = (tmp_path / "summary.md").read_text()
+    assert "worst of 2); CPU 90% of a core" in md and "**Client-bound**" in md
+    assert Summary.read(tmp_path) == s

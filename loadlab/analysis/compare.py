@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from loadlab.analysis.report import SUMMARY_JSON, write_report
+from loadlab.analysis.report import write_report
+from loadlab.analysis.summary import SUMMARY_JSON, Summary
 
-# (label, summary path, unit, better when lower)
+# (label, attribute path in Summary, unit, better when lower); summary.json's key in the comment
 FIGURES = (
     ("output throughput", ("output_throughput",), "tok/s", False),
     ("request throughput", ("request_throughput",), "req/s", False),
-    ("TTFT P50", ("median_ttft_ms",), "ms", True),
-    ("TTFT P95", ("p95_ttft_ms",), "ms", True),
-    ("TTFT P99", ("p99_ttft_ms",), "ms", True),
-    ("TPOT P50", ("median_tpot_ms",), "ms", True),
-    ("TPOT P95", ("p95_tpot_ms",), "ms", True),
-    ("ITL P95", ("p95_itl_ms",), "ms", True),
-    ("ITL P99", ("p99_itl_ms",), "ms", True),
-    ("E2E P95", ("p95_e2e_latency_ms",), "ms", True),
+    ("TTFT P50", ("ttft_ms", "median"), "ms", True),  # median_ttft_ms
+    ("TTFT P95", ("ttft_ms", "p95"), "ms", True),  # p95_ttft_ms
+    ("TTFT P99", ("ttft_ms", "p99"), "ms", True),  # p99_ttft_ms
+    ("TPOT P50", ("tpot_ms", "median"), "ms", True),  # median_tpot_ms
+    ("TPOT P95", ("tpot_ms", "p95"), "ms", True),  # p95_tpot_ms
+    ("ITL P95", ("itl_ms", "p95"), "ms", True),  # p95_itl_ms
+    ("ITL P99", ("itl_ms", "p99"), "ms", True),  # p99_itl_ms
+    ("E2E P95", ("e2e_latency_ms", "p95"), "ms", True),  # p95_e2e_latency_ms
     ("failed requests", ("failed",), "", True),
     ("in flight (mean)", ("in_flight", "mean"), "", False),
     ("mean queue delay", ("server", "mean_queue_time_ms"), "ms", True),
@@ -30,20 +30,21 @@ FIGURES = (
 NOTABLE = 0.05  # a change of 5% or more is called out
 
 
-def _get(d: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        d = d.get(key) if isinstance(d, dict) else None
-    return d
+def _get(s: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        s = None if s is None else getattr(s, name)  # client may be null
+    return s
 
 
-def load_summary(run_dir: Path) -> dict[str, Any]:
-    path = Path(run_dir) / SUMMARY_JSON
-    if not path.exists():
+def load_summary(run_dir: Path) -> Summary:
+    """RUN_DIR's summary.json, written first from the records when there is none (``SummaryError`` when
+    it cannot be read)."""
+    if not (Path(run_dir) / SUMMARY_JSON).exists():
         return write_report(run_dir)
-    return json.loads(path.read_text())
+    return Summary.read(run_dir)
 
 
-def compare(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+def compare(a: Summary, b: Summary) -> list[dict[str, Any]]:
     rows = []
     for label, path, unit, lower_better in FIGURES:
         va, vb = _get(a, path), _get(b, path)
@@ -57,16 +58,16 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def render(a_dir: Path, b_dir: Path, a: dict[str, Any], b: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    lines = [f"A: {a_dir} ({a.get('load_model')}; {a.get('measured_requests')} measured)",
-             f"B: {b_dir} ({b.get('load_model')}; {b.get('measured_requests')} measured)", ""]  # fmt: skip
+def render(a_dir: Path, b_dir: Path, a: Summary, b: Summary, rows: list[dict[str, Any]]) -> str:
+    lines = [f"A: {a_dir} ({a.load_model}; {a.measured_requests} measured)",
+             f"B: {b_dir} ({b.load_model}; {b.measured_requests} measured)", ""]  # fmt: skip
     for key in ("load_model", "target_url", "api", "profile_name"):
-        if a.get(key) != b.get(key):
-            lines.append(f"note: {key} differs: A {a.get(key)!r}, B {b.get(key)!r}")
+        if getattr(a, key) != getattr(b, key):
+            lines.append(f"note: {key} differs: A {getattr(a, key)!r}, B {getattr(b, key)!r}")
     for run, s in (("A", a), ("B", b)):
-        if s.get("partial"):
+        if s.partial:
             lines.append(f"note: {run} is a partial run")
-        if (s.get("client") or {}).get("client_bound"):
+        if s.client is not None and s.client.client_bound:
             lines.append(f"note: {run} was client-bound: its latencies include the load generator's delay")
     lines += ["", f"{'figure':<28} {'A':>12} {'B':>12} {'change':>8}", "-" * 64]
     for r in rows:

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from loadlab.analysis.server_metrics import gauge_series
+from loadlab.analysis.summary import Summary
 from loadlab.records import MEASURE, OK
 
 REPORT_HTML = "report.html"
@@ -159,7 +160,7 @@ def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]]):
     return fig
 
 
-def render_html(summary: dict[str, Any], samples: dict[str, np.ndarray], df: pd.DataFrame,
+def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFrame,
                 server_rows: list[dict[str, Any]], markdown: str) -> str:  # fmt: skip
     import matplotlib
 
@@ -171,7 +172,7 @@ def render_html(summary: dict[str, Any], samples: dict[str, np.ndarray], df: pd.
         fig = make()
         images.append(png_base64(fig))
         plt.close(fig)
-    title = html.escape(f"loadlab report: {summary.get('run_id') or 'run'}")
+    title = html.escape(f"loadlab report: {summary.run_id or 'run'}")
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
         "<style>body{font-family:sans-serif;max-width:1200px;margin:1em auto}img{max-width:100%}"

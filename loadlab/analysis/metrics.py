@@ -9,6 +9,7 @@ each, are in ``docs/metrics.md``; keep the two in step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -18,9 +19,10 @@ import numpy as np
 import pandas as pd
 
 from loadlab.analysis.server_metrics import scrape_interval, server_summary
+from loadlab.analysis.summary import SUMMARY_SCHEMA, SUMMARY_VERSION, Summary
+from loadlab.manifest import ClientVerdict, Manifest
 from loadlab.records import MEASURE, OK, RECORD_FIELDS, WARMUP
 
-SUMMARY_SCHEMA = "loadlab.summary/1"
 PERCENTILES = (90, 95, 99)
 PERCENTILE_METHOD = "exact: numpy.percentile over the raw per-request samples, linear interpolation"
 
@@ -268,70 +270,26 @@ def _get(mapping: Any, *keys: str) -> Any:
     return mapping
 
 
-def _client(manifest: dict[str, Any]) -> dict[str, Any] | None:
-    """The load generators' self-calibration (manifest "client"): error bound and client-bound verdict."""
-    client = manifest.get("client")
-    if not isinstance(client, dict):
+def _client(client: ClientVerdict | None) -> dict[str, Any] | None:
+    """The load generators' self-calibration (manifest ``client``): error bound and client-bound verdict."""
+    if client is None:
         return None
     return {
-        "error_bound_ms": client.get("error_bound_ms"),
-        "client_bound": bool(client.get("client_bound")),
-        "reasons": list(client.get("reasons") or []),
-        "limits": client.get("limits"),
+        "error_bound_ms": client.error_bound_ms,
+        "client_bound": client.client_bound,
+        "reasons": list(client.reasons),
+        "limits": client.limits,
         "generators": [
             {
-                "worker_id": g.get("worker_id"),
-                "probe_lateness_p99_ms": (g.get("probe_lateness_ms") or {}).get("p99"),
-                "probe_lateness_max_ms": (g.get("probe_lateness_ms") or {}).get("max"),
-                "cpu_mean": g.get("cpu_mean"),
-                "cpu_max": g.get("cpu_max"),
+                "worker_id": g.worker_id,
+                "probe_lateness_p99_ms": (g.probe_lateness_ms or {}).get("p99"),
+                "probe_lateness_max_ms": (g.probe_lateness_ms or {}).get("max"),
+                "cpu_mean": g.cpu_mean,
+                "cpu_max": g.cpu_max,
             }
-            for g in client.get("generators") or []
-            if isinstance(g, dict)
+            for g in client.generators
         ],
     }
-
-
-def _count_by(items: list[dict[str, Any]], key: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in items:
-        out[str(item.get(key))] = out.get(str(item.get(key)), 0) + 1
-    return out
-
-
-def describe_load(manifest: dict[str, Any]) -> tuple[str, int | None, float | None]:
-    """(load model in words, max_concurrency, request_rate): the load the run applied (manifest "load",
-    e.g. Locust's -u), else the profile's."""
-    load = _get(manifest, "load")
-    if not isinstance(load, dict) or not load:
-        load = _get(manifest, "profile", "load")
-    if not isinstance(load, dict):
-        return "unknown", None, None
-    model = load.get("model")
-    concurrency = load.get("concurrency")
-    rate = load.get("rate", load.get("request_rate"))
-    if model == "closed" or (model is None and concurrency is not None):
-        text = f"closed loop, {concurrency} in flight" if concurrency is not None else "closed loop"
-        return text, _int_or_none(concurrency), None
-    if model is not None:
-        text = f"{model} loop" if model == "open" else str(model)
-        if rate is not None:
-            arrival = load.get("arrival")
-            text += f", {float(rate):g} req/s" + (f" ({arrival})" if arrival else "")
-        if concurrency is not None:
-            text += f", at most {concurrency} in flight"
-        elif model == "open":
-            text += ", no cap on requests in flight"
-        return text, _int_or_none(concurrency), _float_or_none(rate)
-    return "unknown", _int_or_none(concurrency), _float_or_none(rate)
-
-
-def _int_or_none(x: Any) -> int | None:
-    return int(x) if _finite(x) else None
-
-
-def _float_or_none(x: Any) -> float | None:
-    return float(x) if _finite(x) else None
 
 
 def slo_objectives(slo: Any) -> tuple[list[tuple[str, float, float, str]], list[str]]:
@@ -360,19 +318,71 @@ def slo_objectives(slo: Any) -> tuple[list[tuple[str, float, float, str]], list[
 # The summary
 
 
+@dataclasses.dataclass(frozen=True)
+class _FromManifest:
+    """What the summary takes from the run manifest, all read in ``_from_manifest``."""
+
+    run_id: Any
+    profile_name: Any
+    target_url: Any
+    api: Any
+    server_version: Any
+    load_model: str
+    max_concurrency: int | None
+    request_rate: float | None
+    complete: bool | None
+    expected_measured: int | None
+    lost_in_flight: int
+    lost_in_flight_measured: int
+    lost_in_flight_by_worker: dict[str, int]
+    load_generators: int
+    client: dict[str, Any] | None
+    slo: Any  # the profile's slo mapping, parsed by evaluate_slo
+
+
+def _from_manifest(manifest: Manifest | None) -> _FromManifest:
+    """Every read of the run manifest that compute_summary makes (none: a run directory without one)."""
+    if manifest is None:
+        return _FromManifest(
+            None, None, None, None, None, "unknown", None, None, None, None, 0, 0, {}, 1, None, None
+        )
+    profile, load, lost = manifest.profile, manifest.load, manifest.lost_in_flight
+    by_worker: dict[str, int] = {}
+    for item in lost:
+        by_worker[item.worker] = by_worker.get(item.worker, 0) + 1
+    return _FromManifest(
+        run_id=manifest.run_id,
+        profile_name=profile.get("name"),
+        target_url=manifest.target.url,
+        api=_get(profile, "target", "api"),
+        server_version=_get(manifest.target.server_info, "version"),
+        load_model=load.description,
+        max_concurrency=load.concurrency,
+        request_rate=load.rate,
+        complete=manifest.complete,
+        expected_measured=manifest.counts.measured_expected,
+        lost_in_flight=len(lost),
+        lost_in_flight_measured=sum(1 for x in lost if x.phase == MEASURE),
+        lost_in_flight_by_worker=by_worker,
+        load_generators=len(manifest.load_generators) or 1,
+        client=_client(manifest.client),
+        slo=profile.get("slo"),
+    )
+
+
 def compute_summary(
     df: pd.DataFrame | None,
-    manifest: dict[str, Any] | None,
+    manifest: Manifest | None,
     server_rows: list[dict[str, Any]] | None = None,
     samples_out: dict[str, np.ndarray] | None = None,
-) -> dict[str, Any]:
+) -> Summary:
     """The run summary from its records (a DataFrame as ``load_records`` returns) and manifest.
 
     Pure: reads nothing, writes nothing. Keys follow sglang bench_serving where it has one (duration,
     completed, total_input_tokens, ..., mean_ttft_ms, p99_itl_ms, median_e2e_latency_ms, concurrency);
-    the rest are documented in docs/metrics.md.
+    the rest are documented in docs/metrics.md and typed in ``Summary`` (summary.py).
     """
-    manifest = manifest if isinstance(manifest, dict) else {}
+    run = _from_manifest(manifest)
     if df is None:
         df = pd.DataFrame(columns=list(RECORD_FIELDS))
     df = df.reset_index(drop=True)
@@ -485,42 +495,36 @@ def compute_summary(
     # NaN compares False, so requests missing either count are not short.
     short = ok & (max_new_tokens > 0) & (out_tokens_resolved < max_new_tokens)
 
-    load_text, max_concurrency, request_rate = describe_load(manifest)
-    counts = manifest.get("counts") if isinstance(manifest.get("counts"), dict) else {}
-    expected_measured = _int_or_none(counts.get("measured_expected"))
-    complete = manifest.get("complete")
-    complete = bool(complete) if isinstance(complete, bool) else None
     measured_requests = int(measured.sum())
-    lost = [x for x in manifest.get("lost_in_flight") or [] if isinstance(x, dict)]
-    lost_measured = sum(1 for x in lost if x.get("phase") == "measure")
-    partial = complete is not True or (
-        expected_measured is not None and measured_requests + lost_measured < expected_measured
+    partial = run.complete is not True or (
+        run.expected_measured is not None
+        and measured_requests + run.lost_in_flight_measured < run.expected_measured
     )
-    profile = manifest.get("profile") if isinstance(manifest.get("profile"), dict) else {}
 
     def per_s(x: float) -> float | None:
         return x / duration if has_duration else None
 
     summary: dict[str, Any] = {
         "schema": SUMMARY_SCHEMA,
-        "run_id": manifest.get("run_id"),
-        "profile_name": profile.get("name"),
-        "target_url": _get(manifest, "target", "url") or _get(profile, "target", "url"),
-        "api": _get(manifest, "target", "api") or _get(profile, "target", "api"),
-        "server_version": _get(manifest, "target", "server_info", "version"),
-        "load_model": load_text,
-        "max_concurrency": max_concurrency,
-        "request_rate": request_rate,
-        "complete": complete,
+        "version": SUMMARY_VERSION,
+        "run_id": run.run_id,
+        "profile_name": run.profile_name,
+        "target_url": run.target_url,
+        "api": run.api,
+        "server_version": run.server_version,
+        "load_model": run.load_model,
+        "max_concurrency": run.max_concurrency,
+        "request_rate": run.request_rate,
+        "complete": run.complete,
         "partial": bool(partial),
         "warmup_requests": int(warmup.sum()),
         "measured_requests": measured_requests,
-        "expected_measured": expected_measured,
-        "lost_in_flight": len(lost),
-        "lost_in_flight_measured": lost_measured,
-        "lost_in_flight_by_worker": _count_by(lost, "worker"),
-        "load_generators": len(manifest.get("load_generators") or []) or 1,
-        "client": _client(manifest),
+        "expected_measured": run.expected_measured,
+        "lost_in_flight": run.lost_in_flight,
+        "lost_in_flight_measured": run.lost_in_flight_measured,
+        "lost_in_flight_by_worker": run.lost_in_flight_by_worker,
+        "load_generators": run.load_generators,
+        "client": run.client,
         # Scrapes one interval either side of the window still belong to it (counters need two points).
         "server": server_summary(
             server_rows,
@@ -555,10 +559,10 @@ def compute_summary(
     if server["queue_time_source"] is None and "server_queue_ms" in samples:  # no /metrics: the events say
         server["mean_queue_time_ms"] = summary["mean_server_queue_ms"]
         server["queue_time_source"] = "meta_info"
-    summary["slo"] = evaluate_slo(profile.get("slo"), samples, summary["failed"])
+    summary["slo"] = evaluate_slo(run.slo, samples, summary["failed"])
     if samples_out is not None:  # the per-request samples, for plots
         samples_out.update(samples)
-    return clean(summary)
+    return Summary.model_validate(clean(summary))  # the flat keys of summary.json, as summary.json is read
 
 
 def evaluate_slo(slo: Any, samples: dict[str, np.ndarray], failed: int) -> dict[str, Any]:

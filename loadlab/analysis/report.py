@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -12,19 +10,21 @@ import pandas as pd
 from loadlab.analysis.html import REPORT_HTML, render_html
 from loadlab.analysis.metrics import compute_summary
 from loadlab.analysis.server_metrics import read_server_metrics
+from loadlab.analysis.summary import SUMMARY_JSON, Client, LatencyStats, Server, Summary, write_atomic
 from loadlab.manifest import read_manifest
 from loadlab.records import RECORD_FIELDS, RECORDS_JSONL, RECORDS_PARQUET, load_records
 
-SUMMARY_JSON = "summary.json"
+__all__ = ["SUMMARY_JSON", "SUMMARY_MD", "render_markdown", "write_report"]
+
 SUMMARY_MD = "summary.md"
 
 
-def write_report(run_dir: Path, html: bool = True) -> dict[str, Any]:
+def write_report(run_dir: Path, html: bool = True) -> Summary:
     """Computes the summary of the run in ``run_dir`` and writes summary.json, summary.md and (``html``)
     report.html there.
 
     Reads records.parquet if present, else records.jsonl (a partial or killed run); a run directory with
-    neither gets an empty summary rather than no report. Returns the summary dict.
+    neither gets an empty summary rather than no report. Returns the summary.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -38,21 +38,14 @@ def write_report(run_dir: Path, html: bool = True) -> dict[str, Any]:
     df = load_records(run_dir) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
     server_rows = read_server_metrics(run_dir)
     samples: dict = {}
-    manifest = read_manifest(run_dir)
-    summary = compute_summary(df, manifest.model_dump(mode="json") if manifest else {}, server_rows, samples)
-    summary["records_source"] = source
+    summary = compute_summary(df, read_manifest(run_dir), server_rows, samples)
+    summary = summary.model_copy(update={"records_source": source})
     markdown = render_markdown(summary)
-    _write_atomic(run_dir / SUMMARY_JSON, json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    _write_atomic(run_dir / SUMMARY_MD, markdown)
+    summary.write(run_dir)
+    write_atomic(run_dir / SUMMARY_MD, markdown)
     if html:  # plots take about a second
-        _write_atomic(run_dir / REPORT_HTML, render_html(summary, samples, df, server_rows, markdown))
+        write_atomic(run_dir / REPORT_HTML, render_html(summary, samples, df, server_rows, markdown))
     return summary
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,99 +85,90 @@ def _num(value: Any, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
-def _server_lines(server: dict[str, Any] | None) -> list[str]:
+def _server_lines(server: Server) -> list[str]:
     """The seed's server-side columns, from the target's /metrics during the run."""
     lines = ["## Server (from /metrics during the measured window)", ""]
-    if not server or not server.get("available"):
-        why = "; ".join((server or {}).get("errors") or []) or "no metrics were scraped"
-        queue = (server or {}).get("mean_queue_time_ms")
+    if not server.available:
+        why = "; ".join(server.errors) or "no metrics were scraped"
+        queue = server.mean_queue_time_ms
         from_meta = (
             [f"- Mean queue delay (from meta_info.queue_time): {_num(queue)} ms"] if queue is not None else []
         )
         return lines + [f"- Unavailable: {why}.", *from_meta, ""]
-    usage = server.get("peak_token_usage")
-    hit = server.get("cache_hit_rate")
+    usage = server.peak_token_usage
+    hit = server.cache_hit_rate
     return lines + [
-        f"- Mean queue delay: {_num(server.get('mean_queue_time_ms'))} ms"
-        + (" (from meta_info.queue_time)" if server.get("queue_time_source") == "meta_info" else ""),
+        f"- Mean queue delay: {_num(server.mean_queue_time_ms)} ms"
+        + (" (from meta_info.queue_time)" if server.queue_time_source == "meta_info" else ""),
         f"- Peak KV usage (token_usage): {_num(usage * 100 if usage is not None else None, 1)}%",
-        f"- Running requests: mean {_num(server.get('mean_running'))}, max {_num(server.get('max_running'), 0)}",
-        f"- Queued requests: mean {_num(server.get('mean_queued'))}, max {_num(server.get('max_queued'), 0)}",
+        f"- Running requests: mean {_num(server.mean_running)}, max {_num(server.max_running, 0)}",
+        f"- Queued requests: mean {_num(server.mean_queued)}, max {_num(server.max_queued, 0)}",
         f"- Cache-hit rate (cached / prompt tokens): {_num(hit * 100 if hit is not None else None, 1)}%",
-        f"- Retractions: {_num(server.get('retractions'), 0)}",
-        f"- Scrapes: {server.get('scrapes')} from {server.get('servers')} server(s)",
+        f"- Retractions: {_num(server.retractions, 0)}",
+        f"- Scrapes: {server.scrapes} from {server.servers} server(s)",
         "",
     ]
 
 
-def _client_lines(client: dict[str, Any] | None) -> list[str]:
+def _client_lines(client: Client | None) -> list[str]:
     """The load generator's own timing quality, beside the latencies it qualifies."""
-    if not client:
+    if client is None:
         return []
-    bound = client.get("error_bound_ms")
-    cpus = [g["cpu_mean"] for g in client.get("generators") or [] if g.get("cpu_mean") is not None]
+    cpus = [g.cpu_mean for g in client.generators if g.cpu_mean is not None]
     cpu = f"; CPU {max(cpus):.0%} of a core (busiest load generator, mean)" if cpus else ""
     lines = [
-        f"Client timing error bound: {_num(bound)} ms (P99 of how late a load generator handled I/O, worst "
-        f"of {len(client.get('generators') or [])}){cpu}.",
+        f"Client timing error bound: {_num(client.error_bound_ms)} ms (P99 of how late a load generator handled "
+        f"I/O, worst of {len(client.generators)}){cpu}.",
         "",
     ]
-    if client.get("client_bound"):
+    if client.client_bound:
         lines += [
-            "> **Client-bound**: " + "; ".join(client.get("reasons") or []) + ". These latencies include the "
+            "> **Client-bound**: " + "; ".join(client.reasons) + ". These latencies include the "
             "load generator's own delay: add workers (`loadlab run --workers N`) or lower the load per process.",
             "",
         ]
     return lines
 
 
-def render_markdown(s: dict[str, Any]) -> str:
-    """A plain-Markdown human view of a summary dict."""
-    title = " / ".join(str(x) for x in (s.get("run_id"), s.get("profile_name")) if x) or "run"
+def render_markdown(s: Summary) -> str:
+    """A plain-Markdown human view of a summary."""
+    title = " / ".join(str(x) for x in (s.run_id, s.profile_name) if x) or "run"
     lines = [f"# loadlab report: {title}", ""]
-    if s.get("partial"):
-        if s.get("complete") is None:
+    if s.partial:
+        if s.complete is None:
             why = "the manifest does not say the run completed"
-        elif s.get("complete") is False:
+        elif s.complete is False:
             why = "the run did not complete"
         else:
             why = "fewer measured requests than expected"
-        expected = s.get("expected_measured")
-        got = (
-            f"{s.get('measured_requests')} of {expected}"
-            if expected is not None
-            else str(s.get("measured_requests"))
-        )
+        expected = s.expected_measured
+        got = f"{s.measured_requests} of {expected}" if expected is not None else str(s.measured_requests)
         lines += [f"> **Partial run**: {why}; {got} measured requests recorded.", ""]
-    if s.get("lost_in_flight"):
-        by = ", ".join(f"{n} on {w}" for w, n in sorted(s.get("lost_in_flight_by_worker", {}).items()))
+    if s.lost_in_flight:
+        by = ", ".join(f"{n} on {w}" for w, n in sorted(s.lost_in_flight_by_worker.items()))
         lines += [
-            f"> **{s['lost_in_flight']} requests lost in flight** ({s.get('lost_in_flight_measured', 0)} of them "
+            f"> **{s.lost_in_flight} requests lost in flight** ({s.lost_in_flight_measured} of them "
             f"measured) on load generators that went away: {by}. They reached the server but have no record; "
             "every request that completed is in the records.",
             "",
         ]
 
-    target = s.get("target_url") or "unknown"
-    if s.get("api"):
-        target += f" ({s['api']} API)"
-    if s.get("server_version"):
-        target += f", SGLang {s['server_version']}"
+    target = s.target_url or "unknown"
+    if s.api:
+        target += f" ({s.api} API)"
+    if s.server_version:
+        target += f", SGLang {s.server_version}"
     lines += [
-        f"- Load model: {s.get('load_model')}",
+        f"- Load model: {s.load_model}",
         f"- Target: {target}",
-        f"- Warm-up requests (excluded): {s.get('warmup_requests')}",
-        f"- Measured requests: {s.get('measured_requests')}"
-        + (f" (expected {s['expected_measured']})" if s.get("expected_measured") is not None else ""),
-        f"- Completed: {s.get('completed')}, failed: {s.get('failed')}"
-        + (
-            " (" + ", ".join(f"{k}: {v}" for k, v in (s.get("failures") or {}).items()) + ")"
-            if s.get("failures")
-            else ""
-        ),
+        f"- Warm-up requests (excluded): {s.warmup_requests}",
+        f"- Measured requests: {s.measured_requests}"
+        + (f" (expected {s.expected_measured})" if s.expected_measured is not None else ""),
+        f"- Completed: {s.completed}, failed: {s.failed}"
+        + (" (" + ", ".join(f"{k}: {v}" for k, v in s.failures.items()) + ")" if s.failures else ""),
     ]
-    if s.get("records_source"):
-        lines.append(f"- Records: {s['records_source']}")
+    if s.records_source:
+        lines.append(f"- Records: {s.records_source}")
     lines.append("")
 
     lines += [
@@ -193,12 +177,13 @@ def render_markdown(s: dict[str, Any]) -> str:
         "| metric | samples | " + " | ".join(c for c, _ in _LATENCY_COLUMNS) + " |",
     ]
     lines.append("|---|---:|" + "---:|" * len(_LATENCY_COLUMNS))
-    samples = s.get("samples") or {}
     for label, stem in _LATENCY_ROWS:
-        if stem in _OPTIONAL_ROWS and not samples.get(stem):
+        stats: LatencyStats | None = getattr(s, stem)
+        count = getattr(s.samples, stem) or 0
+        if stats is None or (stem in _OPTIONAL_ROWS and not count):
             continue
-        cells = [_num(s.get(f"{stat}_{stem}")) for _, stat in _LATENCY_COLUMNS]
-        lines.append(f"| {label} | {samples.get(stem, 0)} | " + " | ".join(cells) + " |")
+        cells = [_num(getattr(stats, stat)) for _, stat in _LATENCY_COLUMNS]
+        lines.append(f"| {label} | {count} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Percentiles are exact (numpy, linear interpolation) over the measured, completed requests. "
@@ -206,68 +191,66 @@ def render_markdown(s: dict[str, Any]) -> str:
         "tokens after the first event instead. ITL per token spreads each event's gap over its tokens.",
         "",
     ]
-    lines += _client_lines(s.get("client"))
+    lines += _client_lines(s.client)
 
     lines += ["## Throughput", ""]
     lines += [
-        f"- Duration: {_num(s.get('duration'), 3)} s",
-        f"- Requests: {_num(s.get('request_throughput'))} req/s",
-        f"- Input tokens: {s.get('total_input_tokens')} ({_num(s.get('input_throughput'))} tok/s)"
+        f"- Duration: {_num(s.duration, 3)} s",
+        f"- Requests: {_num(s.request_throughput)} req/s",
+        f"- Input tokens: {s.total_input_tokens} ({_num(s.input_throughput)} tok/s)"
         + (
-            f"; {s['input_tokens_fallback']} requests without a server prompt count used the intended length"
-            if s.get("input_tokens_fallback")
+            f"; {s.input_tokens_fallback} requests without a server prompt count used the intended length"
+            if s.input_tokens_fallback
             else ""
         ),
-        f"- Output tokens: {s.get('total_output_tokens')} ({_num(s.get('output_throughput'))} tok/s)"
+        f"- Output tokens: {s.total_output_tokens} ({_num(s.output_throughput)} tok/s)"
         + (
-            f"; {s['output_tokens_fallback']} requests without a server count used the streamed tokens"
-            if s.get("output_tokens_fallback")
+            f"; {s.output_tokens_fallback} requests without a server count used the streamed tokens"
+            if s.output_tokens_fallback
             else ""
         ),
-        f"- Short outputs (fewer tokens than max_new_tokens): {s.get('short_outputs')}",
+        f"- Short outputs (fewer tokens than max_new_tokens): {s.short_outputs}",
         "",
         "## Load actually applied",
         "",
     ]
-    flight = s.get("in_flight") or {}
+    flight = s.in_flight
     lines += [
-        f"- In flight over the measured window (all requests, time-weighted): mean {_num(flight.get('mean'))}, "
-        f"min {_num(flight.get('min'))}, max {_num(flight.get('max'))}",
-        f"- Concurrency (bench_serving: sum of completed E2E / duration): {_num(s.get('concurrency'))}",
+        f"- In flight over the measured window (all requests, time-weighted): mean {_num(flight.mean)}, "
+        f"min {_num(flight.min)}, max {_num(flight.max)}",
+        f"- Concurrency (bench_serving: sum of completed E2E / duration): {_num(s.concurrency)}",
     ]
-    ratio = s.get("cached_token_ratio")
+    ratio = s.cached_token_ratio
     lines.append(
         f"- Cached-token ratio: {_num(ratio * 100 if ratio is not None else None, 1)}"
         + ("%" if ratio is not None else "")
-        + f" ({s.get('cached_tokens_reported')} requests reported cached tokens)"
+        + f" ({s.cached_tokens_reported} requests reported cached tokens)"
     )
-    if s.get("tokens_per_event_inexact"):
+    if s.tokens_per_event_inexact:
         lines.append(
-            f"- {s['tokens_per_event_inexact']} completed requests had no exact per-event token count: "
+            f"- {s.tokens_per_event_inexact} completed requests had no exact per-event token count: "
             "their ITL samples assume the counts the client inferred"
         )
     lines.append("")
-    lines += _server_lines(s.get("server"))
+    lines += _server_lines(s.server)
 
-    slo = s.get("slo") or {}
+    slo = s.slo
     lines += ["## SLO", ""]
-    objectives = slo.get("objectives") or []
-    if not objectives:
+    if not slo.objectives:
         lines.append("- No SLO objectives in the profile.")
-    for o in objectives:
-        verdict = "PASS" if o.get("pass") else "FAIL"
-        value = _num(o.get("value_ms"))
-        note = " (no samples)" if o.get("value_ms") is None else ""
+    for o in slo.objectives:
+        verdict = "PASS" if o.passed else "FAIL"
+        note = " (no samples)" if o.value_ms is None else ""
         lines.append(
-            f"- {verdict}: P{o.get('percentile')} {o.get('metric')} = {value} ms (limit {_num(o.get('threshold_ms'))} ms){note}"
+            f"- {verdict}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms (limit {_num(o.threshold_ms)} ms){note}"
         )
-    if objectives:
-        lines.append(f"- Overall: {'PASS' if slo.get('pass') else 'FAIL'}")
-    if slo.get("failed_requests"):
+    if slo.objectives:
+        lines.append(f"- Overall: {'PASS' if slo.passed else 'FAIL'}")
+    if slo.failed_requests:
         lines.append(
-            f"- Note: {slo['failed_requests']} measured request(s) failed; failures are not in the latencies."
+            f"- Note: {slo.failed_requests} measured request(s) failed; failures are not in the latencies."
         )
-    if slo.get("unrecognized"):
-        lines.append(f"- Ignored SLO keys: {', '.join(slo['unrecognized'])}")
+    if slo.unrecognized:
+        lines.append(f"- Ignored SLO keys: {', '.join(slo.unrecognized)}")
     lines.append("")
     return "\n".join(lines)

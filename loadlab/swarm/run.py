@@ -9,7 +9,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gevent
 import locust
@@ -38,6 +38,9 @@ from loadlab.records import (
 )
 from loadlab.swarm.calibration import verdict
 from loadlab.swarm.options import DEFAULT_LIMIT_CPU, DEFAULT_LIMIT_MS
+
+if TYPE_CHECKING:
+    from loadlab.analysis.summary import Summary
 
 log = logging.getLogger("loadlab")
 
@@ -135,7 +138,7 @@ class Run:
     def complete(self) -> bool:
         return self.tickets.all_done.is_set()
 
-    def finalize(self) -> dict[str, Any] | None:
+    def finalize(self) -> Summary | None:
         """Closes the records, writes Parquet, the manifest and the report. Safe to call twice."""
         if self.finalized:
             return None

@@ -1,0 +1,415 @@
+"""summary.json as a typed, versioned contract: the ``Summary`` model, its save and its load.
+
+``compute_summary`` (metrics.py) computes the figures and returns a ``Summary``; ``write_report`` writes it
+with ``Summary.write``; ``loadlab compare`` (and any script) reads it back with ``Summary.read``. Every field
+is typed and described here and documented in docs/metrics.md ("summary.json fields"; a test keeps the two
+in step). An unknown key is rejected (``extra="forbid"``), and so are NaN and infinities: a figure that
+cannot be computed is null.
+
+Two things differ between the JSON and the Python objects:
+
+- The latency statistics are flat keys on disk, bench_serving's ``<stat>_<metric>`` (``p99_ttft_ms``,
+  ``mean_itl_ms``), and one ``LatencyStats`` per metric in Python (``summary.ttft_ms.p99``).
+- Fields only some runs have (the open-loop latencies from the due time, the server's queue time per
+  request, unrecognized SLO keys, the scrape-only server figures of a run without /metrics) are left out of
+  the JSON when None instead of written as null; every other field is always there, null or not.
+
+``SUMMARY_VERSION`` is the ``version`` key. Any change to the fields (added, removed, renamed, another type
+or meaning) is a new version: bump it, and ``schema`` with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import typing
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
+
+SUMMARY_JSON = "summary.json"
+SUMMARY_VERSION = 1
+SUMMARY_SCHEMA = "loadlab.summary/1"  # kept beside version, which came later; bumped with it
+
+
+class SummaryError(ValueError):
+    """A summary.json that is missing, unreadable or not this version's shape; one line."""
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Writes ``path`` so that a crash leaves the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class _Model(BaseModel):
+    """Shared by every part of the summary: unknown keys and non-finite floats are errors; fields named in
+    ``_omit_when_none`` are left out of the JSON when None."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True, populate_by_name=True)
+
+    _omit_when_none: ClassVar[tuple[str, ...]] = ()
+
+    def _omitted(self) -> set[str]:
+        return {name for name in self._omit_when_none if getattr(self, name) is None}
+
+    def _reshape(self, out: dict[str, Any]) -> dict[str, Any]:
+        return out
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        fields = type(self).model_fields
+        for name in self._omitted():
+            out.pop(name, None)
+            out.pop(fields[name].alias or name, None)
+        return self._reshape(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The parts
+
+
+class LatencyStats(_Model):
+    """One latency metric over its samples (ms), exact: on disk ``<stat>_<metric>``, e.g. ``p99_ttft_ms``.
+    All null when the metric has no samples."""
+
+    mean: float | None = Field(description="Mean of the samples (ms).")
+    median: float | None = Field(description="50th percentile, linear interpolation (ms).")
+    std: float | None = Field(description="Population standard deviation, ddof 0 (ms).")
+    p90: float | None = Field(description="90th percentile, linear interpolation (ms).")
+    p95: float | None = Field(description="95th percentile, linear interpolation (ms).")
+    p99: float | None = Field(description="99th percentile, linear interpolation (ms).")
+    min: float | None = Field(description="Smallest sample (ms).")
+    max: float | None = Field(description="Largest sample (ms).")
+
+
+class Samples(_Model):
+    """How many samples each latency metric has; the open-loop and server-queue metrics only when the run
+    has them."""
+
+    _omit_when_none = (
+        "client_queue_ms",
+        "ttft_from_scheduled_ms",
+        "e2e_from_scheduled_ms",
+        "server_queue_ms",
+    )
+
+    ttft_ms: int = Field(description="TTFT samples: completed measured requests with a TTFT.")
+    tpot_ms: int = Field(
+        description="TPOT samples: completed measured requests with more than one output token."
+    )
+    tpot_decode_ms: int = Field(
+        description="Decode TPOT samples: completed requests with tokens after the first event."
+    )
+    itl_ms: int = Field(description="Per-token ITL samples, pooled over the completed requests.")
+    itl_per_event_ms: int = Field(
+        description="Per-event ITL samples (one per token-carrying event after the first)."
+    )
+    e2e_latency_ms: int = Field(description="E2E samples: completed measured requests with an E2E.")
+    client_queue_ms: int | None = Field(None, description="Client queue samples (open loop only).")
+    ttft_from_scheduled_ms: int | None = Field(
+        None, description="TTFT-from-due-time samples (open loop only)."
+    )
+    e2e_from_scheduled_ms: int | None = Field(None, description="E2E-from-due-time samples (open loop only).")
+    server_queue_ms: int | None = Field(
+        None, description="Server queue-time samples (only when the server reports it)."
+    )
+
+
+class InFlight(_Model):
+    """Requests in flight over the measured window (every record, warm-up and failures included)."""
+
+    mean: float | None = Field(
+        description="Time-weighted mean over the measured window; null without a window."
+    )
+    min: int | None = Field(description="Fewest in flight over the window; null without a window.")
+    max: int | None = Field(description="Most in flight over the window; null without a window.")
+
+
+class Server(_Model):
+    """The target's /metrics over the measured window (one scrape interval either side). Without a scrape
+    in the window (``available`` false) the scrape-only figures are absent."""
+
+    _SCRAPED: ClassVar[tuple[str, ...]] = ("servers", "mean_queue_time_ms", "peak_token_usage", "mean_running",
+                                           "max_running", "mean_queued", "max_queued", "cache_hit_rate",
+                                           "retractions")  # fmt: skip
+
+    available: bool = Field(description="Whether any scrape in the window had metrics.")
+    servers: int | None = Field(None, description="Servers scraped (target URLs with metrics in the window).")
+    scrapes: int = Field(description="Scrapes with metrics in the window.")
+    mean_queue_time_ms: float | None = Field(
+        None,
+        description="Mean queue delay: delta queue_time_seconds_sum / delta _count (ms), or the requests' "
+        "meta_info.queue_time mean without /metrics (see queue_time_source).",
+    )
+    peak_token_usage: float | None = Field(None, description="Largest sglang:token_usage (KV pool fraction).")
+    mean_running: float | None = Field(None, description="Mean sglang:num_running_reqs, summed over servers.")
+    max_running: float | None = Field(
+        None, description="Largest sglang:num_running_reqs, summed over servers."
+    )
+    mean_queued: float | None = Field(None, description="Mean sglang:num_queue_reqs, summed over servers.")
+    max_queued: float | None = Field(None, description="Largest sglang:num_queue_reqs, summed over servers.")
+    cache_hit_rate: float | None = Field(
+        None, description="Delta cached_tokens_total / delta prompt_tokens_total."
+    )
+    retractions: float | None = Field(None, description="Delta sglang:num_retracted_requests_total.")
+    errors: list[str] = Field(description="Up to three distinct scrape errors.")
+    queue_time_source: Literal["metrics", "meta_info"] | None = Field(
+        description="Where mean_queue_time_ms came from: /metrics, the requests' meta_info, or null (neither)."
+    )
+
+    def _omitted(self) -> set[str]:
+        if self.available:
+            return set()
+        return {name for name in self._SCRAPED if getattr(self, name) is None}
+
+
+class ClientLimits(_Model):
+    """The limits a load generator was held to (``--client-limit-ms``, ``--client-limit-cpu``)."""
+
+    lateness_p99_ms: float = Field(
+        description="Probe lateness P99 above which a process is client-bound (ms)."
+    )
+    cpu_mean: float = Field(
+        description="Mean CPU (fraction of a core) above which a process is client-bound."
+    )
+
+
+class Generator(_Model):
+    """One load-generator process's self-calibration."""
+
+    worker_id: str | None = Field(description="The process (as the records' worker_id).")
+    probe_lateness_p99_ms: float | None = Field(description="P99 of how late the probe was read (ms).")
+    probe_lateness_max_ms: float | None = Field(description="Largest probe lateness (ms).")
+    cpu_mean: float | None = Field(description="Mean CPU over the measured phase (fraction of a core).")
+    cpu_max: float | None = Field(description="Largest CPU sample (fraction of a core).")
+
+
+class Client(_Model):
+    """The load generators' timing quality: the error bound on every latency and the client-bound verdict."""
+
+    error_bound_ms: float | None = Field(description="Worst process's probe lateness P99 (ms).")
+    client_bound: bool = Field(description="Whether a process passed a limit: its figures are suspect.")
+    reasons: list[str] = Field(description="Which process passed which limit.")
+    limits: ClientLimits | None = Field(description="The limits applied.")
+    generators: list[Generator] = Field(description="Each load-generator process.")
+
+
+class SloObjective(_Model):
+    """One objective of the profile's slo mapping and its verdict."""
+
+    key: str = Field(description="The profile's key, e.g. ttft_p95_ms.")
+    metric: Literal["ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"] = Field(
+        description="The latency metric it bounds."
+    )
+    percentile: int | float = Field(description="The percentile (0-100) it bounds.")
+    threshold_ms: float = Field(description="The limit (ms).")
+    value_ms: float | None = Field(
+        description="That exact percentile of the metric (ms); null without samples."
+    )
+    samples: int = Field(description="Samples the percentile was taken over.")
+    passed: bool = Field(alias="pass", description="value_ms <= threshold_ms; false without samples.")
+
+
+class Slo(_Model):
+    """The SLO verdict."""
+
+    _omit_when_none = ("unrecognized",)
+
+    objectives: list[SloObjective] = Field(description="Each objective, in metric then percentile order.")
+    passed: bool | None = Field(alias="pass", description="Every objective passes; null without objectives.")
+    failed_requests: int = Field(description="Measured requests that failed (not in the latencies).")
+    unrecognized: list[str] | None = Field(
+        None, description="SLO keys not understood, sorted; absent when none."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The summary
+
+
+class Summary(_Model):
+    """The run summary (summary.json), computed exactly from the raw records: docs/metrics.md."""
+
+    schema_name: Literal["loadlab.summary/1"] = Field(
+        alias="schema", description="The schema, loadlab.summary/1."
+    )
+    version: Literal[1] = Field(
+        SUMMARY_VERSION,
+        description="Schema version of this summary (summaries written before the key existed read as 1).",
+    )
+    run_id: str | None = Field(description="The run's id (manifest run_id).")
+    profile_name: str | None = Field(description="The profile's name.")
+    target_url: str | None = Field(description="The target's URL.")
+    api: str | None = Field(description="The API the requests used: generate, completions or chat.")
+    server_version: str | None = Field(description="The target's /server_info version at the start.")
+    load_model: str = Field(description="The configured load in words, e.g. 'closed loop, 32 in flight'.")
+    max_concurrency: int | None = Field(description="The configured cap on requests in flight.")
+    request_rate: float | None = Field(description="The configured open-loop rate (req/s).")
+    complete: bool | None = Field(description="The manifest's complete flag; null when it has none.")
+    partial: bool = Field(description="Not complete, or fewer measured requests than expected.")
+    warmup_requests: int = Field(description="Warm-up records (excluded from the figures).")
+    measured_requests: int = Field(description="Measured records, any outcome.")
+    expected_measured: int | None = Field(description="Measured requests the profile asked for.")
+    lost_in_flight: int = Field(description="Requests lost with load generators that went away.")
+    lost_in_flight_measured: int = Field(description="Of those, measured ones.")
+    lost_in_flight_by_worker: dict[str, int] = Field(description="Lost requests per worker.")
+    load_generators: int = Field(description="Load-generator processes (1 for a one-process run).")
+    client: Client | None = Field(description="The load generators' self-calibration; null without one.")
+    server: Server = Field(description="The target's /metrics over the measured window.")
+    completed: int = Field(description="Measured requests with outcome ok.")
+    failed: int = Field(description="Measured requests with any other outcome.")
+    failures: dict[str, int] = Field(description="Failed measured requests by outcome, sorted.")
+    duration: float | None = Field(description="First measured send to last measured end (s).")
+    total_input_tokens: int = Field(description="Prompt tokens of the completed requests.")
+    total_output_tokens: int = Field(description="Output tokens of the completed requests.")
+    input_tokens_fallback: int = Field(description="Completed requests counted by intended input length.")
+    output_tokens_fallback: int = Field(description="Completed requests counted by streamed tokens.")
+    request_throughput: float | None = Field(description="completed / duration (req/s).")
+    input_throughput: float | None = Field(description="total_input_tokens / duration (tok/s).")
+    output_throughput: float | None = Field(description="total_output_tokens / duration (tok/s).")
+    total_throughput: float | None = Field(description="(input + output tokens) / duration (tok/s).")
+    concurrency: float | None = Field(description="bench_serving's: sum of completed E2E (s) / duration.")
+    in_flight: InFlight = Field(description="Requests in flight over the measured window.")
+    cached_token_ratio: float | None = Field(
+        description="sum(cached_tokens) / sum(prompt_tokens) where both reported."
+    )
+    cached_tokens_reported: int = Field(description="Completed requests reporting both counts.")
+    tokens_per_event_inexact: int = Field(
+        description="Completed requests without exact per-event token counts."
+    )
+    short_outputs: int = Field(description="Completed requests with fewer output tokens than max_new_tokens.")
+    percentile_method: str = Field(description="How percentiles are computed, in words.")
+    samples: Samples = Field(description="Samples per latency metric.")
+    ttft_ms: LatencyStats = Field(description="TTFT: send to the first token-carrying event.")
+    tpot_ms: LatencyStats = Field(description="TPOT, bench_serving's: (E2E - TTFT) / (output_tokens - 1).")
+    tpot_decode_ms: LatencyStats = Field(
+        description="TPOT per decoded token: (E2E - TTFT) / (output_tokens - tokens in the first event)."
+    )
+    itl_ms: LatencyStats = Field(description="ITL per token: each event's gap spread over its tokens.")
+    itl_per_event_ms: LatencyStats = Field(
+        description="ITL per event: the raw gaps between token-carrying events."
+    )
+    e2e_latency_ms: LatencyStats = Field(description="E2E: send to the stream's last line.")
+    client_queue_ms: LatencyStats | None = Field(None, description="Open loop only: send - due time.")
+    ttft_from_scheduled_ms: LatencyStats | None = Field(
+        None, description="Open loop only: TTFT from the due time."
+    )
+    e2e_from_scheduled_ms: LatencyStats | None = Field(
+        None, description="Open loop only: E2E from the due time."
+    )
+    server_queue_ms: LatencyStats | None = Field(
+        None, description="The server's queue time per request (meta_info.queue_time), when reported."
+    )
+    slo: Slo = Field(description="The SLO verdict.")
+    records_source: Literal["records.parquet", "records.jsonl"] | None = Field(
+        None, description="The records file write_report read; null without one (and from compute_summary)."
+    )
+
+    # -- the flat latency keys on disk
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_latency(cls, data: Any) -> Any:
+        """``p99_ttft_ms`` and its siblings into ``ttft_ms: {p99: ...}``."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for stem in LATENCY_STEMS:
+            flat = {stat: f"{stat}_{stem}" for stat in STATS}
+            found = {stat: data.pop(key) for stat, key in flat.items() if key in data}
+            if found:
+                if stem in data:
+                    raise ValueError(f"{stem}: given both nested and as flat keys")
+                data[stem] = found
+        return data
+
+    def _reshape(self, out: dict[str, Any]) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for key, value in out.items():
+            if key in LATENCY_STEMS:
+                if value is not None:  # an absent metric (open loop only, ...) has no keys at all
+                    flat.update({f"{stat}_{key}": value[stat] for stat in STATS})
+            else:
+                flat[key] = value
+        return flat
+
+    @model_validator(mode="after")
+    def _stats_match_samples(self) -> Summary:
+        for stem in LATENCY_STEMS:
+            if (getattr(self, stem) is None) != (getattr(self.samples, stem) is None):
+                raise ValueError(f"{stem}: statistics and samples.{stem} must be both present or both absent")
+        return self
+
+    # -- save and load
+
+    def dump(self) -> dict[str, Any]:
+        """The JSON object of summary.json."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_json(self) -> str:
+        return json.dumps(self.dump(), indent=2, allow_nan=False) + "\n"
+
+    def write(self, run_dir: Path) -> Path:
+        """Writes RUN_DIR/summary.json (atomically) and returns its path."""
+        path = Path(run_dir) / SUMMARY_JSON
+        write_atomic(path, self.to_json())
+        return path
+
+    @classmethod
+    def read(cls, run_dir: Path) -> Summary:
+        """RUN_DIR/summary.json; ``SummaryError`` when it is missing, unreadable or another version's."""
+        path = Path(run_dir) / SUMMARY_JSON
+        fix = f"loadlab report {run_dir} rewrites it from the records"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise SummaryError(f"{path}: no such file ({fix})") from None
+        except (OSError, ValueError) as e:
+            raise SummaryError(f"{path}: unreadable ({e}); {fix}") from None
+        return cls.from_json_dict(data, where=str(path), fix=fix)
+
+    @classmethod
+    def from_json_dict(
+        cls,
+        data: Any,
+        where: str = "summary",
+        fix: str = "loadlab report RUN_DIR rewrites it from the records",
+    ) -> Summary:
+        """A summary from the JSON object of summary.json; ``SummaryError`` when it is not this version's."""
+        if not isinstance(data, dict):
+            raise SummaryError(f"{where}: not a JSON object; {fix}")
+        version = data.get("version", SUMMARY_VERSION)
+        if version != SUMMARY_VERSION:
+            raise SummaryError(
+                f"{where}: summary version {version!r}; this loadlab reads version {SUMMARY_VERSION} ({fix})"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(part) for part in first["loc"]) or "(top level)"
+            raise SummaryError(
+                f"{where}: not a version-{SUMMARY_VERSION} summary ({e.error_count()} problem(s); {loc}: "
+                f"{first['msg']}); {fix}"
+            ) from None
+
+
+def _is_stats(annotation: Any) -> bool:
+    return annotation is LatencyStats or LatencyStats in typing.get_args(annotation)
+
+
+# The latency metrics (Summary fields holding LatencyStats) and the statistics of each, in order.
+LATENCY_STEMS: tuple[str, ...] = tuple(n for n, f in Summary.model_fields.items() if _is_stats(f.annotation))
+STATS: tuple[str, ...] = tuple(LatencyStats.model_fields)
