@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from loadlab.analysis import compute_summary
 from loadlab.experiment import runner
 from loadlab.experiment.aggregate import choose, knee_index, refine_configs
 from loadlab.experiment.spec import SweepError, load_sweep
@@ -21,6 +22,12 @@ from loadlab.target.probe import TargetError
 REPO = Path(__file__).resolve().parents[1]
 SWEEP = REPO / "tests" / "sweeps" / "short.yaml"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def write_summary(run_dir: Path, **values) -> None:
+    """A finished run's summary.json with the given figures (an empty run's summary otherwise)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    compute_summary(None, None).model_copy(update=values).write(run_dir)
 
 
 def sweep_cmd(out: Path) -> list[str]:
@@ -197,7 +204,7 @@ def test_resume_keeps_or_refuses_a_refine_stage(tmp_path, monkeypatch):
         run = out / "runs" / f"c{k:02d}-r{r}"
         run.mkdir(parents=True)
         thr = 2000 * (1 - math.exp(-config["load.concurrency"] / 6))
-        (run / "summary.json").write_text(json.dumps({"output_throughput": thr, "failed": 0}))
+        write_summary(run, output_throughput=thr)
         return run
 
     monkeypatch.setattr(runner, "_one_run", fake_run)
@@ -308,13 +315,13 @@ def test_a_sweep_directory_written_before_state_versions_resumes(tmp_path, monke
         calls.append(config["load.concurrency"])
         run = out / "runs" / f"c{k:02d}-r{r}"
         run.mkdir(parents=True)
-        (run / "summary.json").write_text(json.dumps({"output_throughput": 100.0 * (k + 1), "failed": 0}))
+        write_summary(run, output_throughput=100.0 * (k + 1))
         return run
 
     monkeypatch.setattr(runner, "_one_run", fake_run)
     first = out / "runs" / "c00-r0"
     first.mkdir(parents=True)
-    (first / "summary.json").write_text(json.dumps({"output_throughput": 100.0, "failed": 0}))
+    write_summary(first, output_throughput=100.0)
     old = {  # as the sweep wrote it before sweep.json had a version
         "spec": {
             "name": "s",

@@ -8,18 +8,17 @@ Rows are plain dicts (``config``, ``repeats``, ``values``: column -> median/min/
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadlab.experiment.spec import SweepSpec, configurations, is_number, label
+from loadlab.analysis.summary import SUMMARY_JSON, Summary, SummaryError
+from loadlab.experiment.spec import SweepError, SweepSpec, configurations, is_number, label
 
 KNEE_GAIN = 0.05  # the knee: the first configuration after which the next adds less than 5% throughput
 TIE_GAIN = 0.01  # throughputs this close are a tie for the SLO-first choice (the earlier one is kept)
-SUMMARY_JSON = "summary.json"
 
 # The seed's table: (column, summary path, scale, digits)
 COLUMNS = (
@@ -36,11 +35,14 @@ COLUMNS = (
 
 
 def read_run_summary(run_dir: str | Path) -> dict[str, Any] | None:
-    """A finished run's summary.json, or None when it has none. The one place a sweep reads summaries."""
-    path = Path(run_dir) / SUMMARY_JSON
-    if not path.exists():
+    """A finished run's summary (through the typed ``Summary``, as summary.json's keys), or None when it
+    has none. The one place a sweep reads summaries."""
+    if not (Path(run_dir) / SUMMARY_JSON).exists():
         return None
-    return json.loads(path.read_text())
+    try:
+        return Summary.read(Path(run_dir)).dump()
+    except SummaryError as e:
+        raise SweepError(str(e)) from None
 
 
 def _get(d: dict, path: tuple[str, ...]) -> Any:
