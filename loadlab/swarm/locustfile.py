@@ -20,7 +20,7 @@ from locust.runners import MasterRunner, WorkerRunner
 from loadlab import exits
 from loadlab.profile import ProfileError, load_profile
 from loadlab.swarm.calibration import ClientMonitor
-from loadlab.swarm.distributed import Coordinator, WorkerAgent
+from loadlab.swarm.master import Coordinator
 from loadlab.swarm.options import (
     OPEN_LOOP_MAX_USERS,
     add_loadlab_arguments,
@@ -28,6 +28,7 @@ from loadlab.swarm.options import (
 )
 from loadlab.swarm.run import Run
 from loadlab.swarm.users import SGLangUser
+from loadlab.swarm.worker import WorkerAgent
 from loadlab.target.embedded import EmbeddedServer
 from loadlab.target.probe import TargetError, probe
 from loadlab.target.scraper import Scraper
@@ -131,7 +132,7 @@ def _on_init(environment, runner, **_kw):
     except TargetError as e:
         _fail(str(e), exits.TARGET)
     if isinstance(runner, MasterRunner):
-        environment.loadlab_coordinator = Coordinator(environment)
+        environment.loadlab_coordinator = Coordinator(environment, on_failure=lambda: end_run(environment))
         # Users of a worker that dies are started again on the others (Locust's rebalancing).
         environment.parsed_options.enable_rebalancing = True
 
