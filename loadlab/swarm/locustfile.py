@@ -20,6 +20,7 @@ from locust.runners import MasterRunner, WorkerRunner
 from loadlab import exits
 from loadlab.profile import ProfileError, load_profile
 from loadlab.swarm.calibration import ClientMonitor
+from loadlab.swarm.context import LoadlabContext
 from loadlab.swarm.master import Coordinator
 from loadlab.swarm.options import (
     OPEN_LOOP_MAX_USERS,
@@ -81,7 +82,6 @@ class _Session:
             opts.num_users = self.profile.load.concurrency or min(requests, OPEN_LOOP_MAX_USERS)
         if opts.spawn_rate is None:
             opts.spawn_rate = max(1, opts.num_users)  # all users within about a second
-        self.run: Run | None = None
 
     def use_target(self, url: str) -> None:
         """Probes the target and remembers who it is (again when the web UI's Host field changes it)."""
@@ -112,34 +112,35 @@ def _check_out_dir(out: str) -> None:
 
 @events.init.add_listener
 def _on_init(environment, runner, **_kw):
+    environment.loadlab = context = LoadlabContext()  # every hook below reads it, even if init fails
     # Ctrl-C: raise KeyboardInterrupt in the main greenlet (Locust's shutdown path) from the hub, never
     # inside whichever user greenlet happens to be running when the signal arrives.
     main = gevent.getcurrent()
     gevent.signal_handler(signal.SIGINT, lambda: main.throw(KeyboardInterrupt()))
-    environment.loadlab_session = environment.loadlab_run = environment.loadlab_coordinator = None
     if isinstance(runner, WorkerRunner):
         # A worker gets the resolved profile and the target from the master when a run starts.
         try:
             _check_out_dir(environment.parsed_options.out)
         except ProfileError as e:
             _fail(str(e), exits.BAD_INPUT)
-        environment.loadlab_agent = WorkerAgent(environment)
+        context.agent = WorkerAgent(environment)
         return
     try:
-        environment.loadlab_session = _Session(environment)
+        context.session = _Session(environment)
     except ProfileError as e:
         _fail(str(e), exits.BAD_INPUT)
     except TargetError as e:
         _fail(str(e), exits.TARGET)
     if isinstance(runner, MasterRunner):
-        environment.loadlab_coordinator = Coordinator(environment, on_failure=lambda: end_run(environment))
+        context.coordinator = Coordinator(environment, on_failure=lambda: end_run(environment))
         # Users of a worker that dies are started again on the others (Locust's rebalancing).
         environment.parsed_options.enable_rebalancing = True
 
 
 @events.test_start.add_listener
 def _on_test_start(environment, **_kw):
-    session = environment.loadlab_session
+    context = environment.loadlab
+    session = context.session
     if session is None:  # a worker: the run arrives from the master
         return
     opts = environment.parsed_options
@@ -160,17 +161,17 @@ def _on_test_start(environment, **_kw):
         )
     except (TargetError, OSError) as e:
         log.error("loadlab: cannot start the run: %s", e)
-        session.run = environment.loadlab_run = None
+        context.run = None
         gevent.spawn(end_run, environment)
         return
-    session.run = environment.loadlab_run = run
+    context.run = run
     target = session.profile.target
     run.scraper = Scraper(  # its own process: parsing costs CPU
         target.metrics_urls or [environment.host], run.dir, target.metrics_interval_s
     ).start()
     _freeze_heap()
     run.client_limits = (opts.client_limit_ms, opts.client_limit_cpu)
-    coordinator = environment.loadlab_coordinator
+    coordinator = context.coordinator
     if coordinator is not None:
         run.coordinator = coordinator
         coordinator.start_run(run, environment.host)
@@ -218,24 +219,25 @@ def end_run(environment) -> None:
 
 
 def _drain(environment) -> None:
-    coordinator = getattr(environment, "loadlab_coordinator", None)
+    coordinator = environment.loadlab.coordinator
     if coordinator is not None:
         coordinator.drain()
 
 
 @events.test_stop.add_listener
 def _on_test_stop(environment, **_kw):
-    session = getattr(environment, "loadlab_session", None)
-    if session is not None and session.run is not None:
+    context = environment.loadlab
+    if context.session is not None and context.run is not None:
         _drain(environment)
-        session.run.finalize()
+        context.run.finalize()
 
 
 @events.quitting.add_listener
 def _on_quitting(environment, **_kw):
-    session = getattr(environment, "loadlab_session", None)
+    context = environment.loadlab
+    session = context.session
     if session is None:
-        agent = getattr(environment, "loadlab_agent", None)
+        agent = context.agent
         if agent is not None and agent.run is not None:
             agent.run.close()
         return
@@ -244,7 +246,7 @@ def _on_quitting(environment, **_kw):
     # requests are recorded as cancelled and test_stop finalizes the run with every record in it.
     if environment.runner is not None:
         environment.runner.stop()
-    run = session.run
+    run = context.run
     if run is not None:
         run.finalize()
         # Failed requests are data, not a failed run: exit 0 when the run completed, 1 when it was cut short

@@ -167,7 +167,7 @@ class WorkerAgent:
             self._fail(str(e))
             return
         environment.host = info.target_url
-        environment.loadlab_run = self.run
+        environment.loadlab.run = self.run
         log.info(
             "loadlab: worker %s joins run %s against %s",
             self.run.worker_id,
