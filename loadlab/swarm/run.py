@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import gevent
+import locust
 
 import loadlab
 from loadlab.load import Arrivals, Tickets
@@ -170,6 +171,8 @@ class Run:
         if generators:
             self.manifest["client"] = verdict(generators, *self.client_limits)
         write_manifest(self.dir, self.manifest)
+        # Lazily: the report needs pandas and pyarrow, which every Locust process (workers too) would
+        # otherwise import at start-up and keep on its heap, only for the one process that finalizes.
         from loadlab.analysis.report import write_report
 
         summary = write_report(self.dir)
@@ -238,8 +241,6 @@ def describe_applied_load(profile: Profile, users: int) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str]:
-    import locust
-
     return {
         "loadlab": loadlab.__version__,
         "locust": locust.__version__,
