@@ -8,32 +8,27 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import signal
 import sys
-from pathlib import Path
 
 import gevent
 from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
 from loadlab import exits
-from loadlab.manifest import TargetInfo
-from loadlab.profile import ProfileError, load_profile
+from loadlab.profile import ProfileError
 from loadlab.swarm.calibration import ClientMonitor
-from loadlab.swarm.distributed import Coordinator, WorkerAgent
+from loadlab.swarm.context import LoadlabContext
+from loadlab.swarm.master import Coordinator
 from loadlab.swarm.options import (
-    OPEN_LOOP_MAX_USERS,
     add_loadlab_arguments,
-    overrides_from_options,
 )
 from loadlab.swarm.run import Run
+from loadlab.swarm.session import Session, check_out_dir
 from loadlab.swarm.users import SGLangUser
-from loadlab.target.embedded import EmbeddedServer
-from loadlab.target.probe import TargetError, probe
+from loadlab.swarm.worker import WorkerAgent
+from loadlab.target.probe import TargetError
 from loadlab.target.scraper import Scraper
-from loadlab.workload import build_workload
-from loadlab.workload.text import Renderer
 
 __all__ = ["SGLangUser"]
 
@@ -50,96 +45,37 @@ def _fail(message: str, status: int) -> None:
     sys.exit(status)
 
 
-class _Session:
-    """What init prepares for every run of this process: the profile, the workload and the target."""
-
-    def __init__(self, environment):
-        opts = environment.parsed_options
-        self.environment = environment
-        if opts.num_users is not None and opts.num_users < 1:
-            raise ProfileError(f"-u/--users: must be at least 1 (got {opts.num_users})")
-        _check_out_dir(opts.out)
-        self.profile_path = opts.profile_file
-        self.profile = load_profile(self.profile_path, overrides_from_options(opts, environment.host))
-        self.workload = build_workload(self.profile)
-        self.renderer = Renderer(self.profile.target.tokenizer)  # a bad tokenizer file fails here
-        self.embedded: EmbeddedServer | None = None
-        target = self.profile.target
-        if target.url == "embedded":
-            self.embedded = EmbeddedServer(target.embedded)
-            environment.host = self.embedded.start()
-        else:
-            environment.host = target.url
-        try:
-            self.use_target(environment.host)
-        except TargetError:
-            self.stop_embedded()
-            raise
-        # The profile's concurrency (closed loop; open loop's cap) applies unless Locust's -u was given.
-        if opts.num_users is None:
-            requests = self.profile.requests.warmup + self.profile.requests.measured
-            opts.num_users = self.profile.load.concurrency or min(requests, OPEN_LOOP_MAX_USERS)
-        if opts.spawn_rate is None:
-            opts.spawn_rate = max(1, opts.num_users)  # all users within about a second
-        self.run: Run | None = None
-
-    def use_target(self, url: str) -> None:
-        """Probes the target and remembers who it is (again when the web UI's Host field changes it)."""
-        target = self.profile.target
-        wait = self.environment.parsed_options.target_wait
-        found = probe(url, need_model=target.api != "generate" and not target.model, wait_s=wait)
-        self.model = target.model or found["model"]
-        self.target_info = TargetInfo(
-            url=url,
-            embedded=self.embedded is not None and url == self.embedded.url,
-            embedded_settings=target.embedded if self.embedded else None,
-            server_info=found["server_info"],
-        )
-
-    def stop_embedded(self) -> None:
-        if self.embedded is not None:
-            self.embedded.stop()
-
-
-def _check_out_dir(out: str) -> None:
-    try:
-        Path(out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ProfileError(f"--out {out}: cannot create the directory ({e.strerror})") from None
-    if not os.access(out, os.W_OK):
-        raise ProfileError(f"--out {out}: the directory is not writable")
-
-
 @events.init.add_listener
 def _on_init(environment, runner, **_kw):
+    environment.loadlab = context = LoadlabContext()  # every hook below reads it, even if init fails
     # Ctrl-C: raise KeyboardInterrupt in the main greenlet (Locust's shutdown path) from the hub, never
     # inside whichever user greenlet happens to be running when the signal arrives.
     main = gevent.getcurrent()
     gevent.signal_handler(signal.SIGINT, lambda: main.throw(KeyboardInterrupt()))
-    environment.loadlab_session = environment.loadlab_run = environment.loadlab_coordinator = None
     if isinstance(runner, WorkerRunner):
         # A worker gets the resolved profile and the target from the master when a run starts.
         try:
-            _check_out_dir(environment.parsed_options.out)
+            check_out_dir(environment.parsed_options.out)
         except ProfileError as e:
             _fail(str(e), exits.BAD_INPUT)
-        environment.loadlab_agent = WorkerAgent(environment)
+        context.agent = WorkerAgent(environment)
         return
     try:
-        environment.loadlab_session = _Session(environment)
+        context.session = Session(environment)
     except ProfileError as e:
         _fail(str(e), exits.BAD_INPUT)
     except TargetError as e:
         _fail(str(e), exits.TARGET)
     if isinstance(runner, MasterRunner):
-        environment.loadlab_coordinator = Coordinator(environment)
+        context.coordinator = Coordinator(environment, on_failure=lambda: end_run(environment))
         # Users of a worker that dies are started again on the others (Locust's rebalancing).
         environment.parsed_options.enable_rebalancing = True
 
 
 @events.test_start.add_listener
 def _on_test_start(environment, **_kw):
-    session = environment.loadlab_session
+    context = environment.loadlab
+    session = context.session
     if session is None:  # a worker: the run arrives from the master
         return
     opts = environment.parsed_options
@@ -160,17 +96,17 @@ def _on_test_start(environment, **_kw):
         )
     except (TargetError, OSError) as e:
         log.error("loadlab: cannot start the run: %s", e)
-        session.run = environment.loadlab_run = None
+        context.run = None
         gevent.spawn(end_run, environment)
         return
-    session.run = environment.loadlab_run = run
+    context.run = run
     target = session.profile.target
     run.scraper = Scraper(  # its own process: parsing costs CPU
         target.metrics_urls or [environment.host], run.dir, target.metrics_interval_s
     ).start()
     _freeze_heap()
     run.client_limits = (opts.client_limit_ms, opts.client_limit_cpu)
-    coordinator = environment.loadlab_coordinator
+    coordinator = context.coordinator
     if coordinator is not None:
         run.coordinator = coordinator
         coordinator.start_run(run, environment.host)
@@ -218,24 +154,25 @@ def end_run(environment) -> None:
 
 
 def _drain(environment) -> None:
-    coordinator = getattr(environment, "loadlab_coordinator", None)
+    coordinator = environment.loadlab.coordinator
     if coordinator is not None:
         coordinator.drain()
 
 
 @events.test_stop.add_listener
 def _on_test_stop(environment, **_kw):
-    session = getattr(environment, "loadlab_session", None)
-    if session is not None and session.run is not None:
+    context = environment.loadlab
+    if context.session is not None and context.run is not None:
         _drain(environment)
-        session.run.finalize()
+        context.run.finalize()
 
 
 @events.quitting.add_listener
 def _on_quitting(environment, **_kw):
-    session = getattr(environment, "loadlab_session", None)
+    context = environment.loadlab
+    session = context.session
     if session is None:
-        agent = getattr(environment, "loadlab_agent", None)
+        agent = context.agent
         if agent is not None and agent.run is not None:
             agent.run.close()
         return
@@ -244,13 +181,13 @@ def _on_quitting(environment, **_kw):
     # requests are recorded as cancelled and test_stop finalizes the run with every record in it.
     if environment.runner is not None:
         environment.runner.stop()
-    run = session.run
+    run = context.run
     if run is not None:
         run.finalize()
         # Failed requests are data, not a failed run: exit 0 when the run completed, 1 when it was cut short
         # (unless a worker already set the status: 3 when it could not reach the target).
         if environment.process_exit_code is None:
-            environment.process_exit_code = 0 if run.complete else 1
+            environment.process_exit_code = exits.OK if run.complete else exits.PARTIAL
         client_bound = run.manifest.client is not None and run.manifest.client.client_bound
         if client_bound and environment.parsed_options.strict and environment.process_exit_code == 0:
             environment.process_exit_code = exits.CLIENT_BOUND

@@ -169,6 +169,8 @@ class Run:
         if generators:
             m.client = ClientVerdict.model_validate(verdict(generators, *self.client_limits))
         write_manifest(self.dir, self.manifest)
+        # Lazily: the report needs pandas and pyarrow, which every Locust process (workers too) would
+        # otherwise import at start-up and keep on its heap, only for the one process that finalizes.
         from loadlab.analysis.report import write_report
 
         summary = write_report(self.dir)

@@ -33,7 +33,7 @@ class SGLangUser(User):
     wait_time = constant(0)
 
     def on_start(self) -> None:
-        self.run = self.environment.loadlab_run
+        self.run = self.environment.loadlab.run
         if self.run is None:  # the run could not start (the reason is logged): nothing to send
             raise StopUser()
         target = self.run.profile.target

@@ -1,0 +1,75 @@
+"""What a Locust process prepares at init for every run it owns: the profile (with the command line's
+overrides), the workload, the renderer and the target (started when it is the embedded twin, probed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from loadlab.manifest import TargetInfo
+from loadlab.profile import ProfileError, load_profile
+from loadlab.swarm.options import OPEN_LOOP_MAX_USERS, overrides_from_options
+from loadlab.target.embedded import EmbeddedServer
+from loadlab.target.probe import TargetError, probe
+from loadlab.workload import build_workload
+from loadlab.workload.text import Renderer
+
+
+class Session:
+    """What init prepares for every run of this process: the profile, the workload and the target."""
+
+    def __init__(self, environment):
+        opts = environment.parsed_options
+        self.environment = environment
+        if opts.num_users is not None and opts.num_users < 1:
+            raise ProfileError(f"-u/--users: must be at least 1 (got {opts.num_users})")
+        check_out_dir(opts.out)
+        self.profile_path = opts.profile_file
+        self.profile = load_profile(self.profile_path, overrides_from_options(opts, environment.host))
+        self.workload = build_workload(self.profile)
+        self.renderer = Renderer(self.profile.target.tokenizer)  # a bad tokenizer file fails here
+        self.embedded: EmbeddedServer | None = None
+        target = self.profile.target
+        if target.url == "embedded":
+            self.embedded = EmbeddedServer(target.embedded)
+            environment.host = self.embedded.start()
+        else:
+            environment.host = target.url
+        try:
+            self.use_target(environment.host)
+        except TargetError:
+            self.stop_embedded()
+            raise
+        # The profile's concurrency (closed loop; open loop's cap) applies unless Locust's -u was given.
+        if opts.num_users is None:
+            requests = self.profile.requests.warmup + self.profile.requests.measured
+            opts.num_users = self.profile.load.concurrency or min(requests, OPEN_LOOP_MAX_USERS)
+        if opts.spawn_rate is None:
+            opts.spawn_rate = max(1, opts.num_users)  # all users within about a second
+
+    def use_target(self, url: str) -> None:
+        """Probes the target and remembers who it is (again when the web UI's Host field changes it)."""
+        target = self.profile.target
+        wait = self.environment.parsed_options.target_wait
+        found = probe(url, need_model=target.api != "generate" and not target.model, wait_s=wait)
+        self.model = target.model or found["model"]
+        self.target_info = TargetInfo(
+            url=url,
+            embedded=self.embedded is not None and url == self.embedded.url,
+            embedded_settings=target.embedded if self.embedded else None,
+            server_info=found["server_info"],
+        )
+
+    def stop_embedded(self) -> None:
+        if self.embedded is not None:
+            self.embedded.stop()
+
+
+def check_out_dir(out: str) -> None:
+    """--out must be a directory loadlab can write (created if missing); ProfileError otherwise."""
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ProfileError(f"--out {out}: cannot create the directory ({e.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise ProfileError(f"--out {out}: the directory is not writable")
