@@ -108,7 +108,8 @@ class VirtualStats(_Model):
     peak_token_usage_measured: float | None = Field(description="that peak over the KV pool size")
     mean_queue_delay_ms: float | None = Field(description="mean time measured requests waited to run")
     max_total_num_tokens: int = Field(description="the KV pool size in tokens")
-    cost_model: str = Field(description="the GPU x model preset")
+    cost_model: str = Field(description="the GPU x model preset (each distinct one, for a cluster)")
+    workers: int = Field(1, description="simulated GPUs (a cluster's workers); counts are summed over them")
     wall_s: float = Field(description="wall-clock seconds the simulation took")
 
 

@@ -25,8 +25,10 @@ request's send time is its arrival time at the server.
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import math
+import random
 import sys
 import time
 from collections import deque
@@ -97,24 +99,52 @@ def _specs_for(profile: Profile) -> _Specs:
     return specs
 
 
-class VirtualRun:
-    """One simulation: a scheduler, a workload and a client model, on a simulated clock."""
+class _Worker:
+    """One simulated GPU of a virtual run: its scheduler, and the pass it is running (if any)."""
 
-    def __init__(self, profile: Profile, settings: TwinSettings, run_id: str = "virtual", epoch: float = 0.0):
-        self.profile = profile
+    __slots__ = ("cost", "end", "it", "name", "routed", "sched", "settings")
+
+    def __init__(self, name: str, settings: TwinSettings):
+        self.name = name
         self.settings = settings
         cfg = engine_config(settings, record_token_times=True)
         self.cost = cost_model(cfg.gpu, cfg.model, cfg.tp_size)
         self.sched = Scheduler(cfg, self.cost)
+        self.it = None  # the pass in progress
+        self.end = 0.0  # when it ends
+        self.routed = 0  # requests the front sent here
+
+    @property
+    def load(self) -> int:
+        """Requests on the worker (running or waiting): what a front counts."""
+        return len(self.sched.running) + len(self.sched.waiting)
+
+
+class VirtualRun:
+    """One simulation: one or more schedulers (a cluster's workers behind a front policy), a workload and a
+    client model, on one simulated clock."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        settings: TwinSettings | list[TwinSettings],
+        run_id: str = "virtual",
+        epoch: float = 0.0,
+        policy: str = "round_robin",
+    ):
+        self.profile = profile
+        many = settings if isinstance(settings, list) else [settings]
+        self.workers = [
+            _Worker(f"virtual-{i}" if len(many) > 1 else WORKER_ID, s) for i, s in enumerate(many)
+        ]
+        self.settings = many[0]
+        self.route = ROUTES[policy](self.workers, profile.seed)
         self.specs = _specs_for(profile)
         self.run_id = run_id
         self.epoch = epoch
         self.api = profile.target.api
-        self.interval = settings.stream_interval
         load = profile.load
         self.open_loop = load.model == "open"
-        self.rate = load.rate
-        self.arrival = load.arrival
         self.cap = load.concurrency  # None: an open loop without a cap
         # The real run's tickets and arrivals, on the virtual clock: the same indices, phases and due times.
         self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals_for(profile))
@@ -163,16 +193,18 @@ class VirtualRun:
             self._waiting_sends.append((index, phase, due if due is not None else t))
             return
         spec = self.specs.get(index)
+        worker = self.workers[self.route(spec)]
+        worker.routed += 1
         req = Request(
             f"{self.run_id}-{index}",
             spec.prompt,
             spec.max_new_tokens,
             output_ids=spec.output_ids,
-            stream_interval=self.interval,
+            stream_interval=worker.settings.stream_interval,
         )
-        req.handle = (index, phase, t, due, spec)
+        req.handle = (index, phase, t, due, spec, worker)
         try:
-            self.sched.add_request(req, t)
+            worker.sched.add_request(req, t)
         except (QueueFullError, RequestTooLargeError) as e:
             status = 503 if isinstance(e, QueueFullError) else 400
             self._record_failure(index, phase, t, due, spec, status, str(e))
@@ -184,7 +216,8 @@ class VirtualRun:
         opened = self.tickets.finished(phase)
         if opened:
             self.measure_start = t
-            self.sched.peak_used_tokens = self.sched.used_tokens
+            for w in self.workers:
+                w.sched.peak_used_tokens = w.sched.used_tokens
         if self.open_loop:
             if self._waiting_sends and (self.cap is None or self.in_flight < self.cap):
                 i, ph, due = self._waiting_sends.popleft()
@@ -221,9 +254,9 @@ class VirtualRun:
                                          error=f"HTTP {status}: {message}", e2e_ms=0.0))  # fmt: skip
 
     def _record(self, r: Request) -> None:
-        index, phase, t_send, due, spec = r.handle
+        index, phase, t_send, due, spec, worker = r.handle
         times = r.times if r.times is not None else []
-        ms, toks = token_events(times, t_send, self.interval)
+        ms, toks = token_events(times, t_send, worker.settings.stream_interval)
         queue_ms = None if r.forward_entry_time is None else (r.forward_entry_time - t_send) * 1000.0
         if queue_ms is not None and phase == MEASURE:
             self.queue_delays_ms.append(queue_ms)
@@ -252,59 +285,105 @@ class VirtualRun:
 
     # -- the clock ------------------------------------------------------------------------------------------
     def run(self) -> None:
-        sched = self.sched
-        heap = self._heap
+        """Events in time order: sends (a send at the moment a pass ends goes first, as it would reach the
+        server's queue before the scheduler's next decision), then idle workers start their next pass, then
+        the earliest pass end. One worker runs exactly the single-scheduler loop of earlier versions."""
+        heap, workers = self._heap, self.workers
         self.start()
-        t = 0.0
+        now = 0.0
         while True:
-            while heap and heap[0][0] <= t:
+            while heap and heap[0][0] <= now:
                 send, _, index, phase, due = heapq.heappop(heap)
                 self._send(send, index, phase, due)
-            it = sched.next_iteration(t)
-            if it is None:
+            for w in workers:
+                if w.it is None:
+                    w.it = w.sched.next_iteration(now)
+                    if w.it is not None:
+                        w.end = now + quantize(w.it.duration)
+            busy = [w for w in workers if w.it is not None]
+            if not busy:
                 if heap:
-                    t = heap[0][0]
+                    now = heap[0][0]
                     continue
                 if self.tickets.done and not self._waiting_sends:
                     break
                 raise RuntimeError("virtual run stalled: requests remain but nothing can run")
-            end = t + quantize(it.duration)
-            while heap and heap[0][0] <= end:  # arrivals during the pass wait in the queue
-                send, _, index, phase, due = heapq.heappop(heap)
-                self._send(send, index, phase, due)
-            sched.complete(it, end)
+            first = min(busy, key=lambda w: w.end)
+            if heap and heap[0][0] <= first.end:  # arrivals during a pass wait in its queue
+                now = heap[0][0]
+                continue
+            now, it = first.end, first.it
+            first.sched.complete(it, now)
+            first.it = None
             for r in it.finished:
                 self.in_flight -= 1
                 if r.state == DONE:
                     self._record(r)
-                index, phase = r.handle[0], r.handle[1]
-                self._on_done(end, index, phase)
-            t = end
-        self.t = t
+                self._on_done(now, r.handle[0], r.handle[1])
+        self.t = now
 
     def stats(self) -> dict[str, Any]:
-        s = self.sched.stats()
-        total = s["max_total_num_tokens"]
+        """The simulation's own figures, summed over the workers (peaks: the busiest worker's)."""
+        per = [(w, w.sched.stats()) for w in self.workers]
         delays = self.queue_delays_ms
-        peak = self.sched.peak_used_tokens if self.measure_start is not None else None
+        measured = self.measure_start is not None
+        peak = max(w.sched.peak_used_tokens for w in self.workers) if measured else None
+        usage = (
+            max(w.sched.peak_used_tokens / s["max_total_num_tokens"] for w, s in per) if measured else None
+        )
         return {
             "virtual_duration_s": self.t,
             "measure_start_s": self.measure_start,
-            "forward_passes": s["forward_passes"],
-            "num_retractions_total": s["num_retractions_total"],
-            "evicted_tokens_total": s["evicted_tokens_total"],
+            "forward_passes": sum(s["forward_passes"] for _, s in per),
+            "num_retractions_total": sum(s["num_retractions_total"] for _, s in per),
+            "evicted_tokens_total": sum(s["evicted_tokens_total"] for _, s in per),
             "peak_used_tokens_measured": peak,
-            "peak_token_usage_measured": peak / total if total and peak is not None else None,
+            "peak_token_usage_measured": usage,
             "mean_queue_delay_ms": sum(delays) / len(delays) if delays else None,
-            "max_total_num_tokens": total,
-            "cost_model": self.cost.name,
+            "max_total_num_tokens": sum(s["max_total_num_tokens"] for _, s in per),
+            "cost_model": ", ".join(sorted({w.cost.name for w in self.workers})),
+            "workers": len(self.workers),
         }
 
 
-def simulate(profile: Profile, sim_settings: dict[str, Any] | None = None) -> VirtualRun:
-    """Runs a profile in virtual time without writing anything; ``.records`` holds the records."""
-    settings = resolve_settings(dict(sim_settings or {}))
-    vr = VirtualRun(profile, settings)
+# Front policies on the virtual clock: route(spec) -> the worker's index, from the workers' live state.
+def _round_robin(workers: list[_Worker], seed: int):
+    turn = itertools.count()
+    return lambda spec: next(turn) % len(workers)
+
+
+def _least_queue(workers: list[_Worker], seed: int):
+    return lambda spec: min(
+        range(len(workers)), key=lambda i: (len(workers[i].sched.waiting), workers[i].load)
+    )
+
+
+def _power_of_two(workers: list[_Worker], seed: int):
+    rng = random.Random(f"loadlab-virtual-power-of-two-{seed}")  # salt: never change
+
+    def route(spec) -> int:
+        if len(workers) == 1:
+            return 0
+        a, b = rng.sample(range(len(workers)), 2)
+        return a if workers[a].load <= workers[b].load else b
+
+    return route
+
+
+ROUTES = {"round_robin": _round_robin, "least_queue": _least_queue, "power_of_two": _power_of_two}
+
+
+def simulate(
+    profile: Profile,
+    sim_settings: dict[str, Any] | list[dict[str, Any]] | None = None,
+    policy: str = "round_robin",
+) -> VirtualRun:
+    """Runs a profile in virtual time without writing anything; ``.records`` holds the records. A list of
+    settings is a cluster: one worker each, behind the front ``policy`` (``ROUTES``)."""
+    if isinstance(sim_settings, list):
+        vr = VirtualRun(profile, [resolve_settings(dict(s)) for s in sim_settings], policy=policy)
+    else:
+        vr = VirtualRun(profile, resolve_settings(dict(sim_settings or {})))
     vr.run()
     return vr
 

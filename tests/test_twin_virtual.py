@@ -145,3 +145,32 @@ def test_cli_virtual(tmp_path):
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert proc.returncode == 2, (bad, proc.stderr)
         assert proc.stderr.startswith("loadlab sim: error: ") and "Traceback" not in proc.stderr
+
+
+def test_a_cluster_of_four_workers_serves_four_times_one_worker_in_virtual_time():
+    # Below capacity a server's output rate is the offered rate x output length, whatever its speed: one
+    # A100 at 2 req/s, four behind round robin at 8 req/s. Lightly loaded, a request's TTFT is about one
+    # prefill on either (each worker sees a quarter of the arrivals), and round robin gives each worker
+    # exactly every 4th request.
+    def profile(rate: float, measured: int):
+        return validate_profile({"name": "vt", "seed": 3, "workload": {"kind": "random_prefix", "input_len": 512,
+                                 "output_len": 64}, "load": {"model": "open", "rate": rate},
+                                 "requests": {"warmup": 8, "measured": measured}})  # fmt: skip
+
+    single = simulate(profile(2.0, 200), {"max_running_requests": 64})
+    cluster = simulate(profile(8.0, 800), [{"max_running_requests": 64}] * 4, policy="round_robin")
+
+    def figures(vr, rate):
+        m = [r for r in vr.records if r.phase == "measure"]
+        start, end = min(r.t_scheduled_wall for r in m), max(r.t_scheduled_wall for r in m)
+        offered = (len(m) - 1) / (end - start)  # the arrival process's own rate
+        assert offered == pytest.approx(rate, rel=0.15)
+        done = max(r.t_send_wall + r.e2e_ms / 1000 for r in m) - min(r.t_send_wall for r in m)
+        return sum(r.output_tokens for r in m) / done, np.median([r.ttft_ms for r in m])
+
+    (thr1, ttft1), (thr4, ttft4) = figures(single, 2.0), figures(cluster, 8.0)
+    assert thr1 == pytest.approx(2.0 * 64, rel=0.15) and thr4 == pytest.approx(8.0 * 64, rel=0.15)
+    assert thr4 == pytest.approx(4 * thr1, rel=0.1)
+    assert ttft4 == pytest.approx(ttft1, rel=0.15)
+    assert [w.routed for w in cluster.workers] == [(800 + 8) // 4] * 4
+    assert cluster.stats()["workers"] == 4
