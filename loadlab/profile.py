@@ -148,6 +148,9 @@ class RagWorkloadConfig(_Strict):
 class SharedPrefixWorkloadConfig(_Strict):
     kind: Literal["shared_prefix"]
     num_groups: PositiveInt = 16
+    # round_robin: request i is of group i % num_groups; random: a seeded draw per request (bench_serving
+    # shuffles its prompts), so a front's round robin cannot line up with the groups by accident.
+    group_order: Literal["round_robin", "random"] = "round_robin"
     system_prompt_len: PositiveInt = 2048
     question_len: PositiveInt = 128
     output_len: PositiveInt = 256

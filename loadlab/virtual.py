@@ -51,6 +51,7 @@ from loadlab.records import (
 from loadlab.sim import SIM_VERSION
 from loadlab.sim.clock import output_ids_for, quantize, token_events
 from loadlab.sim.cost import cost_model
+from loadlab.sim.radix import RadixCache
 from loadlab.sim.scheduler import DONE, QueueFullError, Request, RequestTooLargeError, Scheduler
 from loadlab.sim.settings import TwinSettings, engine_config, resolve_settings
 from loadlab.workload import build_workload
@@ -370,7 +371,35 @@ def _power_of_two(workers: list[_Worker], seed: int):
     return route
 
 
-ROUTES = {"round_robin": _round_robin, "least_queue": _least_queue, "power_of_two": _power_of_two}
+def _cache_aware(workers: list[_Worker], seed: int):
+    """An approximation of sglang-router's cache_aware (design: shared/design/omni.md): a prefix tree per
+    worker of the prompts the front sent there (token ids here, the router keeps text), never the workers'
+    own caches. Imbalanced (most minus least in flight > 64 and most > 1.5 x least): the least loaded;
+    else the best match if it covers > 30% of the prompt; else the least loaded. The tree is not evicted."""
+    trees = [RadixCache() for _ in workers]
+    abs_threshold, rel_threshold, cache_threshold = 64, 1.5, 0.3  # the router's defaults
+
+    def route(spec) -> int:
+        loads = [w.load for w in workers]
+        least = min(range(len(workers)), key=loads.__getitem__)
+        if max(loads) - min(loads) > abs_threshold and max(loads) > rel_threshold * min(loads):
+            chosen = least
+        else:
+            matched = [tree.peek_prefix_len(spec.prompt) for tree in trees]
+            best = max(range(len(workers)), key=matched.__getitem__)
+            chosen = best if matched[best] > cache_threshold * len(spec.prompt) else least
+        trees[chosen].insert(spec.prompt, 0.0)
+        return chosen
+
+    return route
+
+
+ROUTES = {
+    "round_robin": _round_robin,
+    "least_queue": _least_queue,
+    "power_of_two": _power_of_two,
+    "cache_aware": _cache_aware,
+}
 
 
 def simulate(

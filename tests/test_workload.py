@@ -365,3 +365,22 @@ def test_missing_tokenizers_package(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(ProfileError, match=r"pip install 'loadlab\[tokenizer\]'"):
         Renderer(str(tmp_path / "t.json"))
+
+
+def test_shared_prefix_random_group_order():
+    # Groups drawn per request from (seed, i): about equally often, no round-robin pattern, and still the
+    # shared-prefix guarantees (same system prompt within a group, unique questions, pure in i).
+    w = workload(1, **{**GSP, "group_order": "random"})
+    specs = [w.spec(i) for i in range(8 * 200)]
+    groups = [s.prefix_group for s in specs]
+    counts = np.bincount(groups, minlength=8)
+    assert counts.min() > 0.75 * 200 and counts.max() < 1.25 * 200  # binomial(1600, 1/8): sd ~13
+    assert sum(g == i % 8 for i, g in enumerate(groups)) < 0.25 * len(groups)  # not round robin
+    by_group: dict[int, list] = {}
+    for s in specs:
+        by_group.setdefault(s.prefix_group, []).append(s.input_ids)
+    for prompts in by_group.values():
+        assert all(p[:300] == prompts[0][:300] for p in prompts)
+        assert len({p[300:302] for p in prompts}) == len(prompts)  # every question unique
+    again = workload(1, **{**GSP, "group_order": "random"})
+    assert [again.spec(i) for i in (1599, 3, 800)] == [specs[1599], specs[3], specs[800]]

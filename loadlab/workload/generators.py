@@ -37,6 +37,7 @@ _SALT_GSP_SYSTEM = 21
 _SALT_GSP_SYSTEM_FIRST = 22
 _SALT_GSP_REQUEST = 23
 _SALT_GSP_QUESTION_LEAD = 24
+_SALT_GSP_GROUP = 25
 _SALT_RP_LEAD = 31
 _SALT_RP_REQUEST = 32
 
@@ -199,6 +200,8 @@ class SharedPrefixGenerator(WorkloadGenerator):
         return ids
 
     def group_of(self, index: int) -> int:
+        if self.config.group_order == "random":
+            return int(_rng(self._s, index, _SALT_GSP_GROUP).integers(self.config.num_groups))
         return index % self.config.num_groups
 
     def _spec(self, index: int) -> RequestSpec:
@@ -206,7 +209,10 @@ class SharedPrefixGenerator(WorkloadGenerator):
         group = self.group_of(index)
         rng = _rng(self._s, index, _SALT_GSP_REQUEST)
         question = _words(rng, w.question_len)
-        lead = _lead_pair(self._q0, self._q1, index // w.num_groups)
+        # The lead words make each question of a group unique: its number within the group (round robin),
+        # or the index itself (random order, where that number is not known without counting).
+        nth = index // w.num_groups if w.group_order == "round_robin" else index
+        lead = _lead_pair(self._q0, self._q1, nth)
         n = min(2, w.question_len)
         question[:n] = lead[:n]
         ids = np.concatenate([self.system_prompt(group), question]).tolist()
