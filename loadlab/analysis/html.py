@@ -207,7 +207,7 @@ def _per_worker(df: pd.DataFrame, server_rows: list[dict[str, Any]], workers: li
             points = [(r["t"] - t0, r["m"][key] * scale) for r in rows if key in r["m"]]
             if points:
                 ax.plot(*zip(*points, strict=True), color=colors[w], label=w)
-    for ax, label in zip(axes, ("in flight (client, mean per second)", "running (server)", "queued (server)",
+    for ax, label in zip(axes, ("in flight (client)", "running (server)", "queued (server)",
                                 "KV usage (%)"), strict=True):  # fmt: skip
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
