@@ -52,6 +52,13 @@ OUTCOMES = (
 WARMUP = "warmup"
 MEASURE = "measure"
 
+# Who gave a response its status (a record's status_source): a worker (the response carried the worker
+# header, x-loadlab-worker) or a front in front of the workers answering itself (x-loadlab-front: e.g. the
+# omni front's 429). Null when neither header came (a real SGLang, also behind a real router).
+STATUS_WORKER = "worker"
+STATUS_FRONT = "front"
+STATUS_SOURCES = (STATUS_WORKER, STATUS_FRONT)
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -84,6 +91,8 @@ class RequestRecord:
     finish_reason: str | None = None
     prefix_group: int | None = None
     t_scheduled_wall: float | None = None  # open-loop load models: when the send was due
+    served_by: str | None = None  # the response's x-loadlab-worker header: the worker that served it
+    status_source: str | None = None  # STATUS_WORKER, STATUS_FRONT or None: who answered (headers above)
 
     def to_json_line(self) -> bytes:
         return orjson.dumps(self) + b"\n"  # orjson serialises dataclasses natively (~50x asdict)
@@ -251,6 +260,8 @@ def arrow_types() -> dict[str, Any]:
         "finish_reason": pa.string(),
         "prefix_group": pa.int64(),
         "t_scheduled_wall": pa.float64(),
+        "served_by": pa.string(),
+        "status_source": pa.string(),
     }
     missing = set(RECORD_FIELDS) - set(types)
     assert not missing, f"no Arrow type for record fields {missing}"

@@ -40,6 +40,7 @@ def rec(
     input_len: int = 100,
     max_new: int = 0,
     exact: bool = True,
+    served_by: str | None = None,
 ) -> RequestRecord:
     """A record sent at T0 + t seconds. ``events`` are (offset ms, tokens); by default one 1-token event
     at the TTFT. ``output`` defaults to the tokens in the events."""
@@ -65,6 +66,8 @@ def rec(
         prompt_tokens=prompt,
         output_tokens=output,
         cached_tokens=cached,
+        served_by=served_by,
+        status_source="worker" if served_by is not None else None,
     )
 
 
@@ -687,7 +690,7 @@ def _doc_tables() -> dict[str, list[str]]:
 
 def test_every_summary_field_is_documented():
     expected, tables = _documented_fields(), _doc_tables()
-    assert len(expected) == 10  # Summary, the latency statistics and the eight nested models
+    assert len(expected) == 11  # Summary, the latency statistics and the nine nested models
     for part, names in expected.items():
         assert part in tables, f"docs/metrics.md, summary.json fields: no '### {part}'"
         missing = [n for n in names if n not in tables[part]]
@@ -782,3 +785,151 @@ def test_client_calibration_from_the_manifest(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "worst of 2); CPU 90% of a core" in md and "**Client-bound**" in md
     assert Summary.read(tmp_path) == s
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per worker: records that name the worker that served them (served_by), and each worker's own /metrics
+
+A, B, C = "http://127.0.0.1:1001", "http://127.0.0.1:1002", "district-c/w3"
+
+
+def _cluster_records() -> list[RequestRecord]:
+    """Three known workers (A and B scraped, C not), failures on two, and measured requests that name no
+    worker: one completed behind a server that sends no header, one the front answered itself (429), one
+    that never got a response."""
+    records = [
+        # A: four completed, 10 tokens each at known TTFTs and E2Es, cached 50 of 100 prompt tokens
+        *(rec(i, t=i * 0.5, ttft=ttft, e2e=e2e, events=decoding(10, ttft, (e2e - ttft) / 9), cached=50,
+              served_by=A) for i, (ttft, e2e) in enumerate([(100, 1000), (200, 1100), (300, 2100), (400, 1300)])),
+        rec(4, t=2.0, outcome="http_error", ttft=None, e2e=5.0, served_by=A),  # A's own 503
+        # B: two completed (5 tokens; cached reported by one), one timeout, one stream error
+        rec(5, t=0.2, ttft=50, e2e=450, events=decoding(5, 50, 100), cached=10, prompt=200, served_by=B),
+        rec(6, t=0.7, ttft=150, e2e=550, events=decoding(5, 150, 100), cached=None, served_by=B),
+        rec(7, t=1.1, outcome="timeout", ttft=None, e2e=3000.0, served_by=B),
+        rec(8, t=1.2, outcome="stream_error", ttft=80, e2e=90.0, events=[(80, 1)], served_by=B),
+        # C: one completed, 3 tokens
+        rec(9, t=0.3, ttft=60, e2e=260, events=decoding(3, 60, 100), served_by=C),
+        # no worker named
+        rec(10, t=0.4, ttft=70, e2e=470, events=decoding(4, 70, 100)),
+        rec(11, t=0.6, outcome="http_error", ttft=None, e2e=2.0),
+        rec(12, t=0.8, outcome="connect_error", ttft=None, e2e=1.0),
+        # warm-up on A: not in any figure
+        rec(13, phase="warmup", t=-3.0, ttft=5000, e2e=6000, events=decoding(10, 5000, 100), served_by=A),
+    ]  # fmt: skip
+    records[11].status_source = "front"
+    return records
+
+
+def _cluster_scrapes() -> list[dict]:
+    """A and B scraped every second over the run (B's URL with a trailing slash), C never; one A scrape
+    long after the measured window, with a higher KV usage that must not count."""
+    rows = []
+    for k in range(-1, 6):
+        t = T0 + k
+        rows.append({"t": t, "url": A, "round": k, "m": {"sglang:token_usage": [0.1, 0.2, 0.7, 0.4, 0.3, 0.2, 0.1][k + 1],
+                                                          "sglang:num_running_reqs": 2, "sglang:num_queue_reqs": 1}})  # fmt: skip
+        rows.append({"t": t + 0.01, "url": B + "/", "round": k, "m": {"sglang:token_usage": 0.05 * (k + 1),
+                                                                     "sglang:num_running_reqs": 1}})  # fmt: skip
+    rows.append({"t": T0 + 60, "url": A, "round": 60, "m": {"sglang:token_usage": 0.99}})
+    rows.append({"t": T0 + 1, "url": "http://127.0.0.1:9999", "round": 0, "error": "connection refused"})
+    return rows
+
+
+def test_per_worker_figures_against_hand_computed_values(tmp_path):
+    records = _cluster_records()
+    run = make_run(tmp_path, records)
+    (run / "server_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _cluster_scrapes()))
+    s = write_report(run)
+    # The measured window, by hand: first send T0 + 0.0 (request 0), last end T0 + 1.1 + 3.0 (B's timeout).
+    duration = 1.1 + 3.0
+    assert s.duration == pytest.approx(duration)
+    by = {w.served_by: w for w in s.workers}
+    assert [w.served_by for w in s.workers] == sorted([A, B, C])  # sorted ids; no entry for "no worker"
+    assert s.unattributed_requests == 3
+
+    a, b, c = by[A], by[B], by[C]
+    assert (a.measured_requests, a.completed, a.failed, a.failures) == (5, 4, 1, {"http_error": 1})
+    assert (b.measured_requests, b.completed, b.failed) == (4, 2, 2)
+    assert b.failures == {"stream_error": 1, "timeout": 1}
+    assert (c.measured_requests, c.completed, c.failed, c.failures) == (1, 1, 0, {})
+    assert (a.total_output_tokens, b.total_output_tokens, c.total_output_tokens) == (40, 10, 3)
+    assert a.output_throughput == pytest.approx(40 / duration)
+    assert b.output_throughput == pytest.approx(10 / duration)
+    assert c.output_throughput == pytest.approx(3 / duration)
+    # TTFT percentiles: numpy on the known TTFTs (linear interpolation).
+    assert a.median_ttft_ms == pytest.approx(250.0)  # between 200 and 300
+    assert a.p95_ttft_ms == pytest.approx(200 + 0.85 * 100 + 100)  # rank 2.85 of [100, 200, 300, 400]
+    assert b.median_ttft_ms == pytest.approx(100.0) and b.p95_ttft_ms == pytest.approx(50 + 0.95 * 100)
+    assert c.median_ttft_ms == c.p95_ttft_ms == 60.0
+    # TPOT = (E2E - TTFT) / (10 - 1) per A request: 100, 100, 200, 100 -> P95 at rank 2.85 of the sorted.
+    assert a.p95_tpot_ms == pytest.approx(100 + 0.85 * 100)
+    assert b.p95_tpot_ms == pytest.approx(100.0) and c.p95_tpot_ms == pytest.approx(100.0)
+    # Cached ratio: A 4 x 50 / 4 x 100; B only the request reporting both, 10 / 200; C reports none.
+    assert (a.cached_token_ratio, a.cached_tokens_reported) == (0.5, 4)
+    assert (b.cached_token_ratio, b.cached_tokens_reported) == (pytest.approx(0.05), 1)
+    assert (c.cached_token_ratio, c.cached_tokens_reported) == (None, 0)
+    # Peak KV from each worker's own rows inside the window (+- one scrape interval): A's 0.7, not the
+    # 0.99 a minute later; B's URL matched without its trailing slash; C not scraped.
+    assert a.peak_token_usage == 0.7
+    assert b.peak_token_usage == pytest.approx(0.05 * 6)  # its scrape at T0 + 5 is within T0 + 4.1 + 1
+    assert c.peak_token_usage is None
+
+    # The parts add up: attributed + unattributed = the run's counts; the throughputs sum likewise.
+    assert sum(w.measured_requests for w in s.workers) + s.unattributed_requests == s.measured_requests == 13
+    assert sum(w.completed for w in s.workers) + 1 == s.completed == 8  # request 10 named no worker
+    assert sum(w.failed for w in s.workers) + 2 == s.failed
+    assert sum(w.total_output_tokens for w in s.workers) + 4 == s.total_output_tokens
+
+    # summary.md: the table, and how many named no worker; it reads back identical.
+    md = (run / "summary.md").read_text()
+    assert "## Per worker" in md
+    assert f"| {A} | 5 | 4 | 1 | {40 / duration:.2f} | 250.00 | 385.00 | 185.00 | 50.0% | 70.0% |" in md
+    assert f"| {C} | 1 | 1 | 0 | {3 / duration:.2f} | 60.00 | 60.00 | 100.00 | n/a | n/a |" in md
+    assert "3 measured request(s) named no worker" in md
+    assert Summary.read(run) == s
+
+
+def test_every_request_attributed_the_workers_add_up_to_the_run(tmp_path):
+    rng = np.random.default_rng(11)
+    records = []
+    for i in range(60):
+        ttft = float(rng.uniform(50, 400))
+        n = int(rng.integers(2, 30))
+        outcome = "ok" if i % 9 else "timeout"
+        records.append(rec(i, t=i * 0.05, ttft=ttft, e2e=ttft + n * 20.0, events=decoding(n, ttft, 20.0),
+                           outcome=outcome, cached=int(rng.integers(0, 100)), served_by=[A, B, C][i % 3]))  # fmt: skip
+    s = summarize(tmp_path, records)
+    assert s.unattributed_requests == 0 and len(s.workers) == 3
+    assert sum(w.completed for w in s.workers) == s.completed
+    assert sum(w.failed for w in s.workers) == s.failed
+    assert sum(w.total_output_tokens for w in s.workers) == s.total_output_tokens
+    assert sum(w.output_throughput for w in s.workers) == pytest.approx(s.output_throughput)
+    for w in s.workers:  # each worker's TTFT P95, from its own records by numpy
+        own = [r.ttft_ms for r in records if r.served_by == w.served_by and r.outcome == "ok"]
+        assert w.p95_ttft_ms == pytest.approx(float(np.percentile(own, 95)))
+
+
+def test_no_worker_named_no_workers_entry_and_no_table(tmp_path):
+    s = summarize(tmp_path, [rec(0), rec(1, t=0.5)])
+    assert s.workers == [] and s.unattributed_requests == 2
+    assert "Per worker" not in (tmp_path / "summary.md").read_text()
+    on_disk = json.loads((tmp_path / SUMMARY_JSON).read_text())
+    assert on_disk["workers"] == [] and on_disk["unattributed_requests"] == 2
+    # A summary written before attribution (no such keys) still reads, as "not known".
+    old = {k: v for k, v in on_disk.items() if k not in ("workers", "unattributed_requests")}
+    (tmp_path / SUMMARY_JSON).write_text(json.dumps(old))
+    back = Summary.read(tmp_path)
+    assert back.workers == [] and back.unattributed_requests is None
+
+
+def test_report_html_has_a_per_worker_timeline_for_a_cluster(tmp_path):
+    import base64
+    import re
+
+    run = make_run(tmp_path, _cluster_records())
+    (run / "server_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _cluster_scrapes()))
+    write_report(run, html=True)
+    page = (run / "report.html").read_text()
+    images = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page)
+    assert len(images) == 3 and "<h2>Per worker</h2>" in page  # CDFs, the timeline, then per worker
+    assert base64.b64decode(images[2])[:8] == b"\x89PNG\r\n\x1a\n"

@@ -46,6 +46,7 @@ EXPECTED = {
 FAILURE_MIX = tuple(EXPECTED)
 HTTP_MIX = ("http_400", "http_503")
 OK_MIX = ("normal", "split", "crlf", "comments", "multi4")
+ATTRIBUTION_MIX = ("worker", "front_429", "normal")
 # A run that -t cuts short: 3 in flight, each request needs 100 ms + 1500 x 20 ms = 30 s.
 CANCEL_OPTIONS = ["--output-len", "1500", "--concurrency", "3", "--num-requests", "6", "-t", "2s"]
 
@@ -79,6 +80,9 @@ def runs(scripted_server, tmp_path_factory):
         jobs[f"notsse-{api}"] = loadlab_run_argv(
             PROFILE, url("notsse"), out / f"notsse-{api}", *_options(api, 2)
         )
+    jobs["attribution"] = loadlab_run_argv(
+        PROFILE, url("+".join(ATTRIBUTION_MIX)), out / "attribution", *_options("generate", 3 * PER_CASE)
+    )
     opts = ["--api", "generate", *CANCEL_OPTIONS]
     jobs["cancel"] = loadlab_run_argv(PROFILE, url("normal"), out / "cancel", *opts)
     return run_loadlab_many(jobs, timeout_s=150)
@@ -239,6 +243,26 @@ CHECKS = {
     "timeout": _timeout,
     "protocol_error": _protocol_error,
 }
+
+
+def test_attribution_headers_become_served_by_and_status_source(runs, scripted_server):
+    """A worker's header names the server (the first value when sent twice; it outranks a front's), a
+    front's own answer is the front's, and a server that sends neither leaves both null."""
+    df = _checked_records(runs["attribution"], 3 * PER_CASE)
+    log = scripted_server.log_entries()
+    seen = set()
+    for rec in df.itertuples():
+        case = log[rec.server_id]["case"] if rec.server_id in log else "front_429"  # a 429 has no server id
+        seen.add(case)
+        if case == "worker":
+            assert (rec.outcome, rec.served_by, rec.status_source) == ("ok", "scripted-worker-1", "worker")
+        elif case == "front_429":
+            assert (rec.outcome, rec.http_status) == ("http_error", 429), rec
+            assert pd.isna(rec.served_by) and rec.status_source == "front"
+            assert "too many requests" in rec.error
+        else:
+            assert rec.outcome == "ok" and pd.isna(rec.served_by) and pd.isna(rec.status_source)
+    assert seen == set(ATTRIBUTION_MIX)
 
 
 def test_run_time_limit_cancels_in_flight_requests(runs):

@@ -56,6 +56,13 @@ def test_main_command_writes_a_report(tmp_path):
     assert 12 <= summary["in_flight"]["mean"] <= 16
     assert (measure.output_tokens == 64).all()
     assert summary["p99_ttft_ms"] >= summary["median_ttft_ms"] > 0
+    # Every response named the embedded twin as the worker that served it: its base URL, the target's.
+    assert (records.served_by == manifest.target.url).all() and (records.status_source == "worker").all()
+    (worker,) = summary["workers"]
+    assert worker["served_by"] == manifest.target.url and summary["unattributed_requests"] == 0
+    assert worker["completed"] == summary["completed"] and worker["measured_requests"] == measured
+    assert worker["output_throughput"] == pytest.approx(summary["output_throughput"])
+    assert worker["p95_ttft_ms"] == summary["p95_ttft_ms"] and worker["p95_tpot_ms"] == summary["p95_tpot_ms"]
 
 
 @pytest.mark.parametrize("api", ["generate", "completions", "chat"])

@@ -72,3 +72,45 @@ def test_every_outcome_is_documented():
     from loadlab.records import OUTCOMES
 
     assert documented_paths(DOCS.read_text(), "## Outcomes") == set(OUTCOMES)
+
+
+def test_attribution_fields_come_last_and_round_trip_through_parquet(tmp_path):
+    from loadlab.records import (
+        STATUS_FRONT,
+        STATUS_SOURCES,
+        STATUS_WORKER,
+        RecordWriter,
+        RequestRecord,
+        load_records,
+        write_parquet,
+    )
+
+    assert RECORD_FIELDS[-2:] == ("served_by", "status_source")  # new columns go at the end
+    assert STATUS_SOURCES == ("worker", "front")
+    base = dict(phase="measure", api="generate", worker_id="h:1", user_id=0, t_send_wall=1.0)
+    writer = RecordWriter(tmp_path)
+    writer.write(RequestRecord(index=0, served_by="http://127.0.0.1:1", status_source=STATUS_WORKER, **base))
+    writer.write(
+        RequestRecord(index=1, status_source=STATUS_FRONT, outcome="http_error", http_status=429, **base)
+    )
+    writer.write(RequestRecord(index=2, **base))
+    writer.close()
+    # A line written before the columns existed reads with both null.
+    with open(tmp_path / "records.jsonl", "ab") as f:
+        f.write(b'{"index": 3, "phase": "measure", "api": "generate", "worker_id": "h:1", "user_id": 0, '
+                b'"t_send_wall": 1.0}\n')  # fmt: skip
+    write_parquet(tmp_path)
+    df = load_records(tmp_path)
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(tmp_path / "records.parquet")
+    assert (
+        str(schema.field("served_by").type) == "string"
+        and str(schema.field("status_source").type) == "string"
+    )
+
+    def strings(column):  # nulls come back as None or NaN, depending on pandas
+        return [v if isinstance(v, str) else None for v in column]
+
+    assert strings(df.served_by) == ["http://127.0.0.1:1", None, None, None]
+    assert strings(df.status_source) == ["worker", "front", None, None]

@@ -392,3 +392,31 @@ def test_lateness_histogram_quantiles_are_exact_to_the_bin():
     assert h.quantile(1.0) == pytest.approx(0.25)
     s = h.summary_ms()
     assert s["count"] == 102 and s["max"] == 250.0 and s["p90"] == pytest.approx(91, abs=0.11)
+
+
+def test_load_counts_running_and_waiting_requests_and_tokens_as_sglang():
+    """SGLang's get_load: num_reqs = running + waiting, num_waiting_reqs = waiting, num_tokens = KV tokens
+    in use + every waiting request's tokens (prompt + output so far, for a retracted one)."""
+    s = Scheduler(SchedulerConfig(max_running_requests=2, disable_radix_cache=True), COST)
+    assert s.load() == {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    a, b, c = req(300, 50), req(200, 50), req(120, 5)
+    s.add_request(a, 0.0)
+    s.add_request(b, 0.0)
+    s.add_request(c, 0.0)
+    # Nothing scheduled yet: all three wait, nothing is in the KV pool.
+    assert s.load() == {"num_reqs": 3, "num_waiting_reqs": 3, "num_tokens": 300 + 200 + 120}
+    _, t = step(s, 0.0)  # a and b prefill together (two running slots); c waits
+    for _ in range(4):
+        _, t = step(s, t)
+    assert (s.generated(a), s.generated(b)) == (5, 5)
+    used = s.stats()["num_used_tokens"]
+    assert used == s.used_tokens > 500  # the two prompts and their decoded tokens hold KV
+    assert s.load() == {"num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": used + 120}
+    s._retract(t)  # b (fewest generated; ties: the longer prompt goes) back to the queue with its tokens
+    gone = a if a.state == 0 else b
+    assert gone.state == 0 and gone.gen == 5
+    used = s.used_tokens
+    assert s.load() == {"num_reqs": 3, "num_waiting_reqs": 2, "num_tokens": used + 120 + gone.prompt_len + 5}
+    run_requests(s, [])
+    assert s.load() == {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    assert_clean(s)

@@ -44,11 +44,13 @@ class Twin(ServerProcess):
         super().stop()
         return self.proc.returncode
 
-    def request(self, method: str, path: str, body=None) -> tuple[int, dict, bytes]:
+    def request(self, method: str, path: str, body=None, headers=None) -> tuple[int, dict, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
             data = body if isinstance(body, bytes | type(None)) else orjson.dumps(body)
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            conn.request(
+                method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})}
+            )
             r = conn.getresponse()
             return r.status, dict(r.getheaders()), r.read()
         finally:
@@ -462,6 +464,88 @@ def test_error_formats(twin, small):
     assert "context length" in err["message"]
 
 
+# --------------------------------------------------------------------------------------------------------
+# What a router needs of a worker: its load, its name on every response, bodies a router re-serialised
+# --------------------------------------------------------------------------------------------------------
+def test_every_response_names_its_worker_and_echoes_the_request_id(twin, small):
+    stream = {"stream": True, "max_tokens": 3, "ignore_eos": True}
+    exchanges = [
+        *(("GET", path, None) for path in (
+            "/health", "/health_generate", "/ready", "/get_load", "/server_info", "/get_server_info",
+            "/model_info", "/get_model_info", "/v1/models", "/metrics", "/flush_cache", "/no/such/path")),
+        ("POST", "/flush_cache", None),
+        ("PUT", "/generate", None),  # 405 from aiohttp itself
+        ("POST", "/generate", native(rand_ids(20), 3)),
+        ("POST", "/generate", native(rand_ids(20), 3, stream=False)),
+        ("POST", "/generate", native(rand_ids(200_000), 3)),  # too long: an in-stream error after a 200
+        ("POST", "/generate", b"{not json"),
+        ("POST", "/v1/completions", {"prompt": "a b c", **stream}),
+        ("POST", "/v1/completions", {"prompt": "a b c", "max_tokens": 0}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], **stream}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "stream": False}),
+        ("POST", "/v1/chat/completions", {"messages": []}),
+    ]  # fmt: skip
+    statuses = set()
+    for server in (twin, small):
+        for n, (method, path, body) in enumerate(exchanges):
+            status, headers, _ = server.request(method, path, body, headers={"X-Request-ID": f"rq-{n}"})
+            statuses.add(status)
+            assert headers.get("x-loadlab-worker") == server.url, (method, path, status, headers)
+            assert headers.get("x-request-id") == f"rq-{n}", (method, path, status, headers)
+            status, headers, _ = server.request(method, path, body)  # no request id: none comes back
+            assert headers.get("x-loadlab-worker") == server.url and "x-request-id" not in headers
+    assert {200, 400, 404, 405} <= statuses  # small has no /metrics: 404 there
+
+
+def test_the_worker_id_setting_names_the_worker():
+    s = Twin("--worker-id", "district-a/worker-7")
+    try:
+        status, headers, _ = s.request("POST", "/generate", native(rand_ids(8), 2))
+        assert status == 200 and headers["x-loadlab-worker"] == "district-a/worker-7"
+        assert s.get_json("/server_info")["worker_id"] == "district-a/worker-7"
+    finally:
+        assert s.stop() == 0
+    # Without the setting, /server_info shows the resolved default: the base URL.
+    s = Twin()
+    try:
+        assert s.get_json("/server_info")["worker_id"] == s.url
+    finally:
+        assert s.stop() == 0
+    assert check_embedded_settings({"worker_id": "w\r\nx: y"}).startswith(
+        "worker_id: expected printable ASCII"
+    )
+    assert check_embedded_settings({"worker_id": "w-1"}) is None
+    assert settings_to_argv({"worker_id": "w-1"}) == ["--worker-id", "w-1"]
+
+
+def test_bodies_a_router_re_serialised_are_read_like_the_clients(twin):
+    """sglang-router parses and re-serialises bodies: absent fields as null or defaults, the client's
+    max_tokens as max_completion_tokens (chat), stream_options reduced to include_usage."""
+    events = twin.events("/generate", {
+        "model": None, "text": None, "input_ids": rand_ids(12), "rid": None, "stream": True,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True, "n": None,
+                            "stop": None, "stream_interval": None, "min_new_tokens": None},
+        "return_text_in_logprobs": False, "log_metrics": True, "return_hidden_states": False,
+        "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False,
+        "return_logprob": None, "priority": None, "lora_path": None, "custom_labels": None,
+    })  # fmt: skip
+    assert events[-2]["meta_info"]["completion_tokens"] == 4
+    for path, body in (
+        ("/v1/completions", {"prompt": "a b c d", "max_completion_tokens": 5, "max_tokens": None}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b c d", "name": None}],
+                                  "max_completion_tokens": 5, "max_tokens": None, "logprobs": False,
+                                  "continue_final_message": False, "separate_reasoning": True}),
+    ):  # fmt: skip
+        common = {"model": None, "stream": True, "n": None, "temperature": 0.0, "stop": None,
+                  "stream_options": {"include_usage": True, "continuous_usage_stats": None},
+                  "ignore_eos": True, "echo": False, "no_stop_trim": False, "skip_special_tokens": True,
+                  "return_hidden_states": False, "rid": None, "user": None}  # fmt: skip
+        events = twin.events(path, {**common, **body})
+        usage = events[-2]["usage"]
+        assert events[-2]["choices"] == [] and usage["completion_tokens"] == 5, (path, events)
+        assert events[0]["model"] == "meta-llama/Llama-3.1-8B-Instruct"  # a null model: the served name
+
+
 async def _queue_scenario(url: str):
     async with aiohttp.ClientSession() as s:
         # Like SGLang, the queue limit counts requests not yet scheduled, so space the arrivals out.
@@ -473,6 +557,8 @@ async def _queue_scenario(url: str):
         await asyncio.sleep(0.1)  # c waits in the queue, which holds one request
         async with s.get(url + "/server_info") as r:
             state = (await r.json())["internal_states"][0]
+        async with s.get(url + "/get_load") as r:
+            load = await r.json()
         refused = []
         for path, body in (
             ("/generate", native(rand_ids(16), 8)),
@@ -481,12 +567,17 @@ async def _queue_scenario(url: str):
         ):
             async with s.post(url + path, json=body) as r:
                 refused.append((r.status, await r.json()))
-        return state, refused, await a, await b, await c
+        return state, load, refused, await a, await b, await c
 
 
 def test_queue_full_and_running_limit(small):
-    state, refused, a, b, c = asyncio.run(_queue_scenario(small.url))
+    state, load, refused, a, b, c = asyncio.run(_queue_scenario(small.url))
     assert state["num_running_reqs"] == 2 and state["num_queue_reqs"] == 1
+    # /get_load, as SGLang: a list with one entry per DP rank; two running + one waiting; the KV tokens of
+    # the two running (no cache: their prompts and the tokens decoded so far) + the waiting one's prompt.
+    assert [sorted(entry) for entry in load] == [["dp_rank", "num_reqs", "num_tokens", "num_waiting_reqs"]]
+    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] == 3 and load[0]["num_waiting_reqs"] == 1
+    assert 3 * 16 + 2 <= load[0]["num_tokens"] <= 3 * 16 + 2 * 48
     for status, body in refused:
         assert status == 503
         assert body == {"object": "error", "message": "The request queue is full.",

@@ -3,7 +3,9 @@
 Latency CDFs (TTFT, TPOT, ITL per token, E2E) of the measured, completed requests, and a per-second
 timeline over the run (the warm-up shaded): output tokens/s and requests in flight (from the records),
 TTFT of the requests sent in each second, and the server's running/queued requests and KV usage (from its
-/metrics, when scraped).
+/metrics, when scraped). With several workers (records naming their worker, or several servers scraped), a
+per-worker timeline: each worker's requests in flight (records' served_by), and its running and queued
+requests and KV usage (its own /metrics rows), one line per worker, so one idle while others queue shows.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from loadlab.analysis.server_metrics import gauge_series
+from loadlab.analysis.server_metrics import gauge_series, same_server
 from loadlab.analysis.summary import Summary
 from loadlab.records import MEASURE, OK
 
@@ -160,6 +162,66 @@ def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]]):
     return fig
 
 
+def _timeline_origin(df: pd.DataFrame) -> float:
+    t_send = pd.to_numeric(df["t_send_wall"], errors="coerce").to_numpy(dtype=float)
+    return float(np.nanmin(t_send)) if t_send.size and np.isfinite(t_send).any() else 0.0
+
+
+def _per_worker(df: pd.DataFrame, server_rows: list[dict[str, Any]], workers: list[str]):
+    """One line per worker: requests in flight (client side, the records it served), running and queued
+    requests and KV usage (its own /metrics rows). Workers are the records' served_by values and the scraped
+    URLs, matched by ``same_server``."""
+    import matplotlib.pyplot as plt
+
+    t0 = _timeline_origin(df)
+    scraped = {same_server(r["url"]) for r in server_rows if "m" in r and isinstance(r.get("url"), str)}
+    names = sorted({same_server(w) for w in workers} | scraped)
+    colors = {w: plt.cm.tab10(i % 10) for i, w in enumerate(names)}
+    fig, axes = plt.subplots(4, 1, figsize=(16, 10), sharex=True)
+    t_send = pd.to_numeric(df["t_send_wall"], errors="coerce").to_numpy(dtype=float)
+    e2e = pd.to_numeric(df["e2e_ms"], errors="coerce").to_numpy(dtype=float)
+    end = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
+    served = (
+        np.array([same_server(v) if isinstance(v, str) else None for v in df["served_by"]], dtype=object)
+        if "served_by" in df.columns
+        else np.full(len(df), None, dtype=object)
+    )
+    span = max(1, int(np.ceil(np.nanmax(end) - t0))) if end.size and np.isfinite(end).any() else 1
+    seconds = np.arange(span)
+    for w in names:
+        mine = (served == w) & np.isfinite(t_send) & np.isfinite(end)
+        if mine.any():  # time-weighted requests in flight per second, every phase and outcome
+            s_rel, e_rel = t_send[mine] - t0, end[mine] - t0
+            flight = [
+                float(np.clip(np.minimum(e_rel, b + 1) - np.maximum(s_rel, b), 0, None).sum())
+                for b in seconds
+            ]
+            axes[0].plot(seconds, flight, drawstyle="steps-post", color=colors[w], label=w)
+        rows = [
+            r
+            for r in server_rows
+            if "m" in r and isinstance(r.get("url"), str) and same_server(r["url"]) == w
+        ]
+        for ax, key, scale in ((axes[1], "sglang:num_running_reqs", 1), (axes[2], "sglang:num_queue_reqs", 1),
+                               (axes[3], "sglang:token_usage", 100)):  # fmt: skip
+            points = [(r["t"] - t0, r["m"][key] * scale) for r in rows if key in r["m"]]
+            if points:
+                ax.plot(*zip(*points, strict=True), color=colors[w], label=w)
+    for ax, label in zip(axes, ("in flight (client)", "running (server)", "queued (server)",
+                                "KV usage (%)"), strict=True):  # fmt: skip
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="upper right", fontsize=8)
+        else:
+            why = "no records name a worker" if ax is axes[0] else "no server metrics (/metrics not scraped)"
+            ax.text(0.5, 0.5, why, ha="center", transform=ax.transAxes)
+    axes[0].set_title("Per worker")
+    axes[3].set_xlabel("seconds since the first send")
+    return fig
+
+
 def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFrame,
                 server_rows: list[dict[str, Any]], markdown: str) -> str:  # fmt: skip
     import matplotlib
@@ -167,17 +229,27 @@ def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFra
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    workers = [w.served_by for w in summary.workers]
+    scraped = {same_server(r["url"]) for r in server_rows if "m" in r and isinstance(r.get("url"), str)}
+    makers = [lambda: _cdfs(samples), lambda: _timeline(df, server_rows)]
+    if workers or len(scraped) > 1:  # a cluster: each worker on its own line
+        makers.append(lambda: _per_worker(df, server_rows, workers))
     images = []
-    for make in (lambda: _cdfs(samples), lambda: _timeline(df, server_rows)):
+    for make in makers:
         fig = make()
         images.append(png_base64(fig))
         plt.close(fig)
+    per_worker = (
+        f"<h2>Per worker</h2><img alt='per-worker timeline' src='data:image/png;base64,{images[2]}'>"
+        if len(images) > 2
+        else ""
+    )
     title = html.escape(f"loadlab report: {summary.run_id or 'run'}")
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
         "<style>body{font-family:sans-serif;max-width:1200px;margin:1em auto}img{max-width:100%}"
         "pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}</style></head><body>"
         f"<h1>{title}</h1><h2>Latency CDFs</h2><img alt='latency CDFs' src='data:image/png;base64,{images[0]}'>"
-        f"<h2>Timeline</h2><img alt='timeline' src='data:image/png;base64,{images[1]}'>"
+        f"<h2>Timeline</h2><img alt='timeline' src='data:image/png;base64,{images[1]}'>{per_worker}"
         f"<h2>Summary</h2><pre>{html.escape(markdown)}</pre></body></html>\n"
     )

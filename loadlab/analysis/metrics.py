@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from loadlab.analysis.server_metrics import scrape_interval, server_summary
+from loadlab.analysis.server_metrics import gauge_peaks, same_server, scrape_interval, server_summary
 from loadlab.analysis.summary import SUMMARY_SCHEMA, SUMMARY_VERSION, Summary
 from loadlab.manifest import ClientVerdict, Manifest
 from loadlab.records import MEASURE, OK, RECORD_FIELDS, WARMUP
@@ -495,6 +495,46 @@ def compute_summary(
     # NaN compares False, so requests missing either count are not short.
     short = ok & (max_new_tokens > 0) & (out_tokens_resolved < max_new_tokens)
 
+    # Per worker: the measured records each worker served (served_by, the x-loadlab-worker header).
+    served_by = _strings(df, "served_by")
+    attributed = np.array([w is not None for w in served_by], dtype=bool)
+    scrape_start = None if window_start is None else window_start - margin
+    scrape_end = None if window_end is None else window_end + margin
+    kv_peaks = gauge_peaks(server_rows, "sglang:token_usage", scrape_start, scrape_end)
+    workers = []
+    for worker in sorted(set(served_by[measured & attributed])):
+        mine = measured & (served_by == worker)
+        done = mine & ok
+        worker_failures: dict[str, int] = {}
+        for kind in outcome[mine & ~ok]:
+            worker_failures[kind or "unknown"] = worker_failures.get(kind or "unknown", 0) + 1
+        ttft_w, e2e_w, out_w = ttft[done], e2e[done], out_tokens_resolved[done]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tpot_w = (e2e_w - ttft_w) / (out_w - 1)
+        tpot_w = tpot_w[(out_w > 1) & np.isfinite(tpot_w)]
+        reported = done & np.isfinite(cached_tokens) & np.isfinite(prompt_tokens)
+        prompts = float(np.sum(prompt_tokens[reported]))
+        output_w = int(np.nansum(out_w)) if done.any() else 0
+        workers.append(
+            {
+                "served_by": worker,
+                "measured_requests": int(mine.sum()),
+                "completed": int(done.sum()),
+                "failed": int((mine & ~ok).sum()),
+                "failures": dict(sorted(worker_failures.items())),
+                "total_output_tokens": output_w,
+                "output_throughput": output_w / duration if has_duration else None,
+                "median_ttft_ms": percentile(ttft_w, 50),
+                "p95_ttft_ms": percentile(ttft_w, 95),
+                "p95_tpot_ms": percentile(tpot_w, 95),
+                "cached_token_ratio": float(np.sum(cached_tokens[reported]) / prompts)
+                if prompts > 0
+                else None,
+                "cached_tokens_reported": int(reported.sum()),
+                "peak_token_usage": kv_peaks.get(same_server(worker)),
+            }
+        )
+
     measured_requests = int(measured.sum())
     partial = run.complete is not True or (
         run.expected_measured is not None
@@ -526,11 +566,9 @@ def compute_summary(
         "load_generators": run.load_generators,
         "client": run.client,
         # Scrapes one interval either side of the window still belong to it (counters need two points).
-        "server": server_summary(
-            server_rows,
-            None if window_start is None else window_start - margin,
-            None if window_end is None else window_end + margin,
-        ),
+        "server": server_summary(server_rows, scrape_start, scrape_end),
+        "workers": workers,
+        "unattributed_requests": int((measured & ~attributed).sum()),
         "completed": completed,
         "failed": int(not_ok.sum()),
         "failures": failures,

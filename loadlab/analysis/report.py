@@ -110,6 +110,40 @@ def _server_lines(server: Server) -> list[str]:
     ]
 
 
+def _worker_lines(s: Summary) -> list[str]:
+    """The per-worker table: only when some response named its worker (x-loadlab-worker)."""
+    if not s.workers:
+        return []
+
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{x * 100:.1f}%"
+
+    lines = [
+        "## Per worker (from each response's x-loadlab-worker)",
+        "",
+        "| worker | measured | completed | failed | output tok/s | TTFT P50 | TTFT P95 | TPOT P95 | cached | peak KV |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for w in s.workers:
+        lines.append(
+            f"| {w.served_by} | {w.measured_requests} | {w.completed} | {w.failed} | {_num(w.output_throughput)} | "
+            f"{_num(w.median_ttft_ms)} | {_num(w.p95_ttft_ms)} | {_num(w.p95_tpot_ms)} | "
+            f"{pct(w.cached_token_ratio)} | {pct(w.peak_token_usage)} |"
+        )
+    lines += [
+        "",
+        "Latencies in ms. Output tok/s is over the run's measured duration; cached is cached / prompt tokens of "
+        "the worker's completed requests; peak KV is the largest token_usage of the worker's own /metrics (n/a: "
+        "not scraped).",
+    ]
+    if s.unattributed_requests:
+        lines.append(
+            f"{s.unattributed_requests} measured request(s) named no worker (no x-loadlab-worker header: a "
+            "server that sends none, a front answering itself, or no response) and are in no row."
+        )
+    return [*lines, ""]
+
+
 def _client_lines(client: Client | None) -> list[str]:
     """The load generator's own timing quality, beside the latencies it qualifies."""
     if client is None:
@@ -233,6 +267,7 @@ def render_markdown(s: Summary) -> str:
         )
     lines.append("")
     lines += _server_lines(s.server)
+    lines += _worker_lines(s)
 
     slo = s.slo
     lines += ["## SLO", ""]

@@ -52,6 +52,28 @@ def gauge_series(rows: list[dict[str, Any]], name: str) -> tuple[list[float], li
     return [min(t for t, _ in b.values()) for b in whole], [sum(v for _, v in b.values()) for b in whole]
 
 
+def same_server(url: str) -> str:
+    """A server URL as ``server_metrics.jsonl`` and ``served_by`` are matched: without a trailing slash."""
+    return url.rstrip("/")
+
+
+def gauge_peaks(
+    rows: list[dict[str, Any]], name: str, start: float | None, end: float | None
+) -> dict[str, float]:
+    """The largest value of gauge ``name`` per server URL (``same_server``) over [start, end] (epoch s);
+    servers without a value there are absent."""
+    peaks: dict[str, float] = {}
+    for r in rows:
+        m = r.get("m")
+        if not isinstance(m, dict) or name not in m or not isinstance(r.get("url"), str):
+            continue
+        if start is not None and r["t"] < start or end is not None and r["t"] > end:
+            continue
+        url = same_server(r["url"])
+        peaks[url] = max(peaks.get(url, m[name]), m[name])
+    return peaks
+
+
 def server_summary(rows: list[dict[str, Any]], start: float | None, end: float | None) -> dict[str, Any]:
     """The seed's server-side columns over [start, end] (the measured window, epoch s), per target URL
     summed or maxed across servers: mean queue delay, peak KV usage, running and queued requests,

@@ -175,6 +175,32 @@ class Server(_Model):
         return {name for name in self._SCRAPED if getattr(self, name) is None}
 
 
+class Worker(_Model):
+    """One worker's share of the measured requests: the records whose ``served_by`` (the response's
+    x-loadlab-worker header) names it."""
+
+    served_by: str = Field(description="The worker's id, as the records' served_by.")
+    measured_requests: int = Field(description="Measured records it served, any outcome.")
+    completed: int = Field(description="Of those, outcome ok.")
+    failed: int = Field(description="Of those, any other outcome.")
+    failures: dict[str, int] = Field(description="Its failed measured requests by outcome, sorted.")
+    total_output_tokens: int = Field(description="Output tokens of its completed requests.")
+    output_throughput: float | None = Field(
+        description="total_output_tokens / the run's duration (tok/s); null without a duration."
+    )
+    median_ttft_ms: float | None = Field(description="TTFT P50 of its completed requests (ms).")
+    p95_ttft_ms: float | None = Field(description="TTFT P95 of its completed requests (ms).")
+    p95_tpot_ms: float | None = Field(description="TPOT P95 of its completed requests (ms).")
+    cached_token_ratio: float | None = Field(
+        description="sum(cached_tokens) / sum(prompt_tokens) over its completed requests reporting both."
+    )
+    cached_tokens_reported: int = Field(description="Its completed requests reporting both counts.")
+    peak_token_usage: float | None = Field(
+        description="Largest sglang:token_usage of its own /metrics (server_metrics rows whose url is its id) "
+        "over the measured window; null when it was not scraped."
+    )
+
+
 class ClientLimits(_Model):
     """The limits a load generator was held to (``--client-limit-ms``, ``--client-limit-cpu``)."""
 
@@ -268,6 +294,16 @@ class Summary(_Model):
     load_generators: int = Field(description="Load-generator processes (1 for a one-process run).")
     client: Client | None = Field(description="The load generators' self-calibration; null without one.")
     server: Server = Field(description="The target's /metrics over the measured window.")
+    workers: list[Worker] = Field(
+        default_factory=list,
+        description="Per worker that served measured requests (records' served_by), sorted by id; empty when "
+        "no response named its worker (and in summaries written before attribution).",
+    )
+    unattributed_requests: int | None = Field(
+        None,
+        description="Measured records without served_by (no worker header), in no workers entry; null in "
+        "summaries written before attribution.",
+    )
     completed: int = Field(description="Measured requests with outcome ok.")
     failed: int = Field(description="Measured requests with any other outcome.")
     failures: dict[str, int] = Field(description="Failed measured requests by outcome, sorted.")

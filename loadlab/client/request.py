@@ -34,6 +34,8 @@ def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id:
         input_len=spec.input_len,
         max_new_tokens=spec.max_new_tokens,
         prefix_group=spec.prefix_group,
+        served_by=ex.served_by,
+        status_source=ex.status_source,
     )
     t_end = ex.t_end if ex.t_end is not None else time.perf_counter()
     rec.e2e_ms = (t_end - ex.t_send) * 1000.0

@@ -16,7 +16,17 @@ import gevent
 from geventhttpclient import HTTPClient
 from geventhttpclient.response import HTTPConnectionClosed, HTTPParseError
 
-from loadlab.records import CONNECT_ERROR, DROPPED, HTTP_ERROR, OK, PROTOCOL_ERROR, TIMEOUT
+from loadlab.records import (
+    CONNECT_ERROR,
+    DROPPED,
+    HTTP_ERROR,
+    OK,
+    PROTOCOL_ERROR,
+    STATUS_FRONT,
+    STATUS_WORKER,
+    TIMEOUT,
+)
+from loadlab.sim import FRONT_HEADER, WORKER_HEADER
 
 MAX_ERROR_BODY = 64 * 1024
 HEADERS = {
@@ -39,6 +49,8 @@ class Exchange:
     transport: str = OK  # OK, HTTP_ERROR, DROPPED, TIMEOUT, CONNECT_ERROR or PROTOCOL_ERROR
     error: str | None = None
     body: bytes = b""  # the body of a non-2xx response
+    served_by: str | None = None  # the response's x-loadlab-worker header
+    status_source: str | None = None  # STATUS_WORKER (that header came), STATUS_FRONT (x-loadlab-front), None
 
 
 class StreamingClient:
@@ -91,6 +103,12 @@ class StreamingClient:
             except (OSError, HTTPConnectionClosed, HTTPParseError) as e:
                 return self._fail(ex, CONNECT_ERROR, f"{type(e).__name__}: {e}")
             ex.status = resp.status_code
+            # Who answered: read once per response, from its headers, never on the per-line path.
+            served_by = resp.get(WORKER_HEADER)
+            if served_by is not None:
+                ex.served_by, ex.status_source = _one(served_by), STATUS_WORKER
+            elif resp.get(FRONT_HEADER) is not None:
+                ex.status_source = STATUS_FRONT
             if ex.status >= 300:
                 ex.body = resp.read(MAX_ERROR_BODY)
                 resp.release()
@@ -135,3 +153,8 @@ class StreamingClient:
         ex.t_end = time.perf_counter()
         self.close()
         return ex
+
+
+def _one(value: str | list[str]) -> str:
+    """A header's value; a header sent twice (a front that added its own) keeps its first value."""
+    return value[0] if isinstance(value, list) else value

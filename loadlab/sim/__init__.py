@@ -16,3 +16,10 @@ from loadlab import __version__
 # The one line the server prints on stdout when it listens (``loadlab.procs.ReadyLineProcess`` reads it).
 READY_PREFIX = "loadlab-sim listening on "
 SIM_VERSION = f"loadlab-sim {__version__}"
+
+# Attribution headers (docs/sim.md, docs/records.md). Every response of a twin carries WORKER_HEADER: the
+# worker's id (its base URL unless set); a router passes it through, so the client learns which worker
+# served. A front (loadlab's omni front) marks the answers it gives itself (a 429, ...) with FRONT_HEADER.
+WORKER_HEADER = "x-loadlab-worker"
+FRONT_HEADER = "x-loadlab-front"
+REQUEST_ID_HEADER = "x-request-id"  # echoed back when a request sends it (routers forward it)

@@ -5,7 +5,8 @@ Pure Python and asyncio, no HTTP. The server talks to it only through:
 - ``Engine.submit(prompt_ids, max_new_tokens, ...) -> RequestHandle`` (raises ``QueueFullError`` or
   ``RequestTooLargeError``); ``async for step in handle`` yields ``Step(new_tokens, completion_tokens,
   finish_reason)`` (``finish_reason`` only on the last step); ``handle.abort()`` frees a request.
-- ``Engine.stats()`` for /metrics and /server_info, ``Engine.flush_cache()``, ``start()``/``stop()``.
+- ``Engine.stats()`` for /metrics and /server_info, ``Engine.load()`` for /get_load, ``Engine.flush_cache()``,
+  ``start()``/``stop()``.
 
 The loop asks the scheduler for the next forward pass, sleeps until the pass's end (timed from the previous
 pass's intended end, so wake-up lateness does not accumulate), applies it, and wakes the streams that have
@@ -329,6 +330,10 @@ class Engine:
 
     def stats(self) -> dict:
         return self.scheduler.stats()
+
+    def load(self) -> dict:
+        """The scheduler's load as SGLang's ``/get_load`` reports it (``Scheduler.load``)."""
+        return self.scheduler.load()
 
     def timing_stats(self) -> dict:
         """The server's own timing quality: how late passes ended and events were written, and the model

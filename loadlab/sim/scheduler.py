@@ -336,6 +336,19 @@ class Scheduler:
             "peak_used_tokens": self.peak_used_tokens,
         }
 
+    def load(self) -> dict:
+        """What SGLang's ``get_load`` reports (scheduler.py): ``num_reqs``, requests running or waiting (each
+        unfinished request once: the running batch, the chunked and prefilling ones, the waiting queue);
+        ``num_waiting_reqs``, the waiting queue; ``num_tokens``, the KV tokens in use (as
+        ``num_used_tokens``) plus the tokens of every waiting request (prompt and any output of a retracted
+        one: SGLang's ``req.seqlen``)."""
+        waiting = self.waiting
+        return {
+            "num_reqs": self.num_running + len(waiting),
+            "num_waiting_reqs": len(waiting),
+            "num_tokens": self.used_tokens + sum(r.prompt_len + r.gen for r in waiting),
+        }
+
     # -- requests in and out ------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_new: int) -> None:
         """Raises RequestTooLargeError if prompt + max_new_tokens can never fit the KV pool."""

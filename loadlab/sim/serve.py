@@ -20,7 +20,7 @@ from aiohttp import web
 from loadlab.sim import READY_PREFIX
 from loadlab.sim.engine import Engine
 from loadlab.sim.server import SimServer
-from loadlab.sim.settings import TwinSettings, engine_config
+from loadlab.sim.settings import TwinSettings, base_url, engine_config
 from loadlab.sim.tokenize import Tokenizer
 
 
@@ -35,7 +35,9 @@ async def _serve(settings: TwinSettings, tokenizer: Tokenizer) -> None:
     host = settings.host
     sock = socket.create_server((host, settings.port), backlog=4096)
     sock.setblocking(False)
-    settings = dataclasses.replace(settings, port=sock.getsockname()[1])  # the real port, also with 0
+    port = sock.getsockname()[1]  # the real port, also with 0
+    url = base_url(host, port)
+    settings = dataclasses.replace(settings, port=port, worker_id=settings.worker_id or url)
     await engine.start()
     app = SimServer(settings, engine, tokenizer).build_app()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -43,12 +45,12 @@ async def _serve(settings: TwinSettings, tokenizer: Tokenizer) -> None:
     try:
         site = web.SockSite(runner, sock)
         await site.start()
-        shown = f"[{host}]" if ":" in host else host
-        sys.stdout.write(f"{READY_PREFIX}http://{shown}:{settings.port}\n")
+        sys.stdout.write(f"{READY_PREFIX}{url}\n")
         sys.stdout.flush()
         logging.getLogger("loadlab.sim").info(
-            "serving %s on %s: max_running_requests=%s max_total_num_tokens=%s radix_cache=%s",
+            "serving %s as worker %s on %s: max_running_requests=%s max_total_num_tokens=%s radix_cache=%s",
             settings.served_model_name,
+            settings.worker_id,
             engine.cost.name,
             settings.max_running_requests,
             settings.max_total_num_tokens,

@@ -1,9 +1,13 @@
 """The HTTP side of the simulated SGLang server: SGLang's wire protocol on aiohttp.
 
 Endpoints and field names follow shared/design/sglang-wire.md (SGLang 0.5): native ``/generate``, the
-OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``, health, info, ``/flush_cache`` and
-Prometheus ``/metrics`` (``sglang:*`` names). Generation is delegated to ``loadlab.sim.engine.Engine``
-through ``submit`` / the handle's async iterator / ``abort`` / ``stats`` only.
+OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``, health, info, ``/get_load``,
+``/flush_cache`` and Prometheus ``/metrics`` (``sglang:*`` names): everything a router (sglang-router)
+calls on a worker. Every response, errors and streams included, carries ``x-loadlab-worker`` (the worker's
+id) and echoes the request's ``x-request-id``. Bodies a router re-serialised (absent fields as nulls,
+``max_completion_tokens`` for ``max_tokens``) are read like the client's own. Generation is delegated to
+``loadlab.sim.engine.Engine`` through ``submit`` / the handle's async iterator / ``abort`` / ``stats`` /
+``load`` only.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from loadlab.sim import SIM_VERSION
+from loadlab.sim import REQUEST_ID_HEADER, SIM_VERSION, WORKER_HEADER
 from loadlab.sim.engine import (
     Engine,
     QueueFullError,
@@ -25,7 +29,7 @@ from loadlab.sim.engine import (
     RequestTooLargeError,
     Step,
 )
-from loadlab.sim.settings import TwinSettings
+from loadlab.sim.settings import TwinSettings, base_url
 from loadlab.sim.tokenize import OUTPUT_IDS, OUTPUT_TEXTS, Tokenizer, output_start
 
 SLOW_READER_BYTES = 64 * 1024  # unsent bytes at which a stream stops pushing and waits for its reader
@@ -255,9 +259,11 @@ class SimServer:
         self.cache_report: bool = settings.enable_cache_report
         self.enable_metrics: bool = settings.enable_metrics
         self.metrics = _Metrics(engine, self.model_name) if self.enable_metrics else None
+        self.worker_id: str = settings.worker_id or base_url(settings.host, settings.port)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.on_response_prepare.append(self._stamp)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/v1/completions", self.completions)
@@ -270,10 +276,20 @@ class SimServer:
         for path in ("/server_info", "/get_server_info"):
             r.add_get(path, self.server_info)
         r.add_get("/v1/models", self.models)
+        r.add_get("/get_load", self.get_load)
         r.add_route("GET", "/flush_cache", self.flush_cache)
         r.add_route("POST", "/flush_cache", self.flush_cache)
         r.add_get("/metrics", self.metrics_endpoint)
         return app
+
+    async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Just before any response's headers go out (a stream's too, an error's, aiohttp's own 404):
+        who served it, and the request id the client or the router sent."""
+        headers = response.headers
+        headers[WORKER_HEADER] = self.worker_id
+        rid = request.headers.get(REQUEST_ID_HEADER)
+        if rid is not None:
+            headers[REQUEST_ID_HEADER] = rid
 
     # -- validation ---------------------------------------------------------------------------------------
     def _validate_lengths(self, prompt_len: int, max_new: int) -> None:
@@ -489,11 +505,9 @@ class SimServer:
 
     # -- OpenAI-compatible ----------------------------------------------------------------------------------
     def _openai_common(self, body: dict, default_max: int, chat: bool):
-        if chat:
-            max_tokens = body.get("max_completion_tokens")
-            if max_tokens is None:
-                max_tokens = body.get("max_tokens")
-        else:
+        # max_completion_tokens is OpenAI's newer name: sglang-router sends it for the client's max_tokens.
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:
             max_tokens = body.get("max_tokens")
         max_new = _int_field(max_tokens, "max_tokens", default_max, 1)
         if body.get("n", 1) not in (1, None):
@@ -737,6 +751,12 @@ class SimServer:
                 ],
             }
         )
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang's ``/get_load``, one entry per DP rank (the twin has one): ``num_reqs`` running + waiting,
+        ``num_waiting_reqs`` waiting, ``num_tokens`` KV tokens in use + the waiting requests' tokens. What
+        sglang-router's power_of_two policy polls."""
+        return _json([{"dp_rank": 0, **self.engine.load()}])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         note = (

@@ -118,6 +118,13 @@ SETTINGS: tuple[Setting, ...] = (
         "log level (logs go to stderr)",
         choices=("debug", "info", "warning", "error", "critical"),
     ),  # fmt: skip
+    Setting(
+        "worker_id",
+        "str",
+        None,
+        "this worker's id in the x-loadlab-worker header of every response (default: its base URL, "
+        "http://HOST:PORT)",
+    ),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -141,6 +148,8 @@ def _check_value(s: Setting, value: Any) -> str | None:
             return f"expected one of {', '.join(s.choices)}, got {value!r}"
         if s.name == "tokenizer" and not os.path.isfile(value):
             return f"no such file: {value!r}"
+        if s.name == "worker_id" and not (value.isascii() and value.isprintable()):
+            return f"expected printable ASCII (it is sent as an HTTP header), got {value!r}"
         return None
     if s.name == "mem_fraction_static" and not 0 < value <= 1:
         return f"must be greater than 0 and at most 1, got {value!r}"
@@ -174,8 +183,16 @@ def _arg_type(s: Setting):
     return parse
 
 
-# Server-only settings: where it listens and how it logs, never part of what a run's report shows.
-PROCESS_SETTINGS = ("host", "port", "log_level")
+# Server-only settings: where it listens, how it logs and what it calls itself, never part of what a run's
+# report shows.
+PROCESS_SETTINGS = ("host", "port", "log_level", "worker_id")
+
+
+def base_url(host: str, port: int) -> str:
+    """A server's base URL, ``http://HOST:PORT`` (an IPv6 host in brackets): the ready line's URL and the
+    default ``worker_id``."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
 
 
 def add_arguments(parser: argparse.ArgumentParser, suppress_defaults: bool = False) -> None:
@@ -269,6 +286,7 @@ class TwinSettings:
     enable_metrics: bool
     enable_cache_report: bool
     log_level: str
+    worker_id: str | None  # None until the server listens: then its base URL unless set
     # Derived, as SGLang reports them:
     tokenizer_path: str  # the tokenizer file, else the model path
     max_total_num_tokens: int  # the KV cache pool, from max_total_tokens or the memory fraction

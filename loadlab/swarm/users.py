@@ -103,6 +103,8 @@ class SGLangUser(User):
             input_len=spec.input_len if spec is not None else 0,
             max_new_tokens=spec.max_new_tokens if spec is not None else 0,
             outcome=CLIENT_ERROR, error=f"loadlab failed on this request: {error!r}",
+            served_by=ex.served_by if ex is not None else None,
+            status_source=ex.status_source if ex is not None else None,
         )  # fmt: skip
 
     def _unsent_record(self, index: int, phase: str, spec) -> RequestRecord:

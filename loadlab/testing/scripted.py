@@ -33,6 +33,9 @@ request got. Cases (see ``CASES``):
   badshape    valid JSON of the wrong shape after 2 events (choices: ["x"], meta_info: "x")
   notsse      HTTP 200 with a plain JSON body instead of an event stream
   nousage     OpenAI paths: no usage anywhere, whatever stream_options asks (native: like normal)
+  worker      like normal, with the attribution headers a worker behind a front sends: x-loadlab-worker
+              (twice: scripted-worker-1, then scripted-worker-2) and x-loadlab-front (the worker's wins)
+  front_429   HTTP 429 that a front answers itself: x-loadlab-front, no x-loadlab-worker
 
 The log (``--log``) gets one JSON line per request, flushed when the request ends:
 ``{"id", "case", "api", "rid", "status", "recv_wall", "write_wall": [...], "tokens": [...],
@@ -76,7 +79,13 @@ CASES = (
     "badshape",
     "notsse",
     "nousage",
+    "worker",
+    "front_429",
 )
+# The attribution headers of the worker and front_429 cases (the names as in loadlab.sim, spelt here on
+# purpose: this server shares no wire code with the twin).
+WORKER_HEADERS = b"X-Loadlab-Worker: scripted-worker-1\r\nX-Loadlab-Worker: scripted-worker-2\r\nX-Loadlab-Front: scripted-front\r\n"
+FRONT_HEADERS = b"X-Loadlab-Front: scripted-front\r\n"
 STALL_S = 30.0
 SPLIT_STEP_S = 0.003  # time between the three writes of one event in the split case
 FAIL_AFTER = 3  # tokens (events) before error_event / abort / drop / stall
@@ -133,9 +142,9 @@ class Server:
         finally:
             writer.close()
 
-    async def _send_simple(self, writer, status: int, payload, keep_alive: bool) -> None:
+    async def _send_simple(self, writer, status: int, payload, keep_alive: bool, extra: bytes = b"") -> None:
         body = payload if isinstance(payload, bytes) else orjson.dumps(payload)
-        writer.write(_head(status, "application/json", len(body), keep_alive) + body)
+        writer.write(_head(status, "application/json", len(body), keep_alive, extra) + body)
         with contextlib.suppress(ConnectionError):
             await writer.drain()
 
@@ -271,9 +280,10 @@ class Exchange:
 
     async def run(self, keep_alive: bool) -> bool:
         try:
-            if self.case in ("http_400", "http_503"):
+            if self.case in ("http_400", "http_503", "front_429"):
                 self.status = int(self.case[-3:])
-                await self.server._send_simple(self.writer, self.status, self.error_body(), keep_alive)
+                extra = FRONT_HEADERS if self.case == "front_429" else b""
+                await self.server._send_simple(self.writer, self.status, self.error_body(), keep_alive, extra)
                 self.completed = True
                 return keep_alive
             if not self.stream:
@@ -296,6 +306,8 @@ class Exchange:
             )
 
     def error_body(self) -> dict:
+        if self.status == 429:
+            return {"error": {"message": "scripted front: too many requests"}}
         if self.status == 503:
             message = "The request queue is full."
             if self.api == "generate":
@@ -349,6 +361,7 @@ class Exchange:
         head = (
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
             b"Transfer-Encoding: chunked\r\n"
+            + (WORKER_HEADERS if self.case == "worker" else b"")
             + (b"Connection: keep-alive\r\n" if keep_alive else b"Connection: close\r\n")
             + b"\r\n"
         )
@@ -578,14 +591,14 @@ def _chunk(payload: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(payload), payload)
 
 
-def _head(status: int, content_type: str, length: int, keep_alive: bool) -> bytes:
-    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 431: "Request Header Fields Too Large"}.get(
-        status, "Service Unavailable" if status == 503 else "Error"
-    )
+def _head(status: int, content_type: str, length: int, keep_alive: bool, extra: bytes = b"") -> bytes:
+    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests",
+              431: "Request Header Fields Too Large"}.get(status, "Service Unavailable" if status == 503 else "Error")  # fmt: skip
     return (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {length}\r\n"
-        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
-    ).encode()
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {length}\r\n".encode()
+        + extra
+        + f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n".encode()
+    )
 
 
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
