@@ -43,6 +43,7 @@ from loadlab.records import (
     HTTP_ERROR,
     MEASURE,
     OK,
+    STATUS_WORKER,
     RequestRecord,
     default_run_name,
     unique_run_name,
@@ -208,7 +209,7 @@ class VirtualRun:
             worker.sched.add_request(req, t)
         except (QueueFullError, RequestTooLargeError) as e:
             status = 503 if isinstance(e, QueueFullError) else 400
-            self._record_failure(index, phase, t, due, spec, status, str(e))
+            self._record_failure(index, phase, t, due, spec, status, str(e), worker)
             self._on_done(t, index, phase)
             return
         self.in_flight += 1
@@ -250,9 +251,10 @@ class VirtualRun:
             **fields,
         )
 
-    def _record_failure(self, index, phase, t, due, spec, status: int, message: str) -> None:
+    def _record_failure(self, index, phase, t, due, spec, status: int, message: str, worker: _Worker) -> None:
         self._write(self._request_record(index, phase, t, due, spec, outcome=HTTP_ERROR, http_status=status,
-                                         error=f"HTTP {status}: {message}", e2e_ms=0.0))  # fmt: skip
+                                         error=f"HTTP {status}: {message}", e2e_ms=0.0, served_by=worker.name,
+                                         status_source=STATUS_WORKER))  # fmt: skip
 
     def _record(self, r: Request) -> None:
         index, phase, t_send, due, spec, worker = r.handle
@@ -281,6 +283,8 @@ class VirtualRun:
                 num_retractions=r.num_retractions,
                 server_queue_ms=queue_ms,
                 finish_reason="length",
+                served_by=worker.name,
+                status_source=STATUS_WORKER,
             )
         )
 

@@ -37,8 +37,10 @@ from pydantic import (
 )
 
 SUMMARY_JSON = "summary.json"
-SUMMARY_VERSION = 1
-SUMMARY_SCHEMA = "loadlab.summary/1"  # kept beside version, which came later; bumped with it
+SUMMARY_VERSION = 2  # 2: workers and unattributed_requests (per-worker attribution)
+SUMMARY_SCHEMA = "loadlab.summary/2"  # kept beside version, which came later; bumped with it
+# Older versions this one reads: each added fields only, so an old file reads with their defaults.
+READS_VERSIONS = (1, 2)
 
 
 class SummaryError(ValueError):
@@ -268,12 +270,12 @@ class Slo(_Model):
 class Summary(_Model):
     """The run summary (summary.json), computed exactly from the raw records: docs/metrics.md."""
 
-    schema_name: Literal["loadlab.summary/1"] = Field(
-        alias="schema", description="The schema, loadlab.summary/1."
+    schema_name: Literal["loadlab.summary/2"] = Field(
+        alias="schema", description="The schema, loadlab.summary/2."
     )
-    version: Literal[1] = Field(
+    version: Literal[2] = Field(
         SUMMARY_VERSION,
-        description="Schema version of this summary (summaries written before the key existed read as 1).",
+        description="Schema version of this summary (version 1 and summaries without the key read as 2).",
     )
     run_id: str | None = Field(description="The run's id (manifest run_id).")
     profile_name: str | None = Field(description="The profile's name.")
@@ -426,11 +428,14 @@ class Summary(_Model):
         """A summary from the JSON object of summary.json; ``SummaryError`` when it is not this version's."""
         if not isinstance(data, dict):
             raise SummaryError(f"{where}: not a JSON object; {fix}")
-        version = data.get("version", SUMMARY_VERSION)
-        if version != SUMMARY_VERSION:
+        version = data.get("version", 1)
+        if version not in READS_VERSIONS:
             raise SummaryError(
-                f"{where}: summary version {version!r}; this loadlab reads version {SUMMARY_VERSION} ({fix})"
+                f"{where}: summary version {version!r}; this loadlab reads versions "
+                f"{', '.join(map(str, READS_VERSIONS))} ({fix})"
             )
+        if version != SUMMARY_VERSION:  # older: only fields were added since, which take their defaults
+            data = {**data, "version": SUMMARY_VERSION, "schema": SUMMARY_SCHEMA}
         try:
             return cls.model_validate(data)
         except ValidationError as e:
