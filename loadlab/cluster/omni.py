@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -110,6 +111,7 @@ class Worker:
         self.routed = 0
         self.max_running: int | None = None  # from /server_info
         self.max_total_tokens: int | None = None
+        self.info_read = False  # /server_info read since the worker last came up
         self.limit_flag: int | None = None  # --max-in-flight-per-worker
         self.signals = Signals()
         self.in_flight_at_poll = 0
@@ -347,7 +349,7 @@ class Omni:
         try:
             async with asyncio.timeout(self.config.poll_timeout_s):
                 (ls, lb), (ms, mb) = await asyncio.gather(self._get(w, "/get_load"), self._get(w, "/metrics"))
-                if not w.up or w.max_running is None:
+                if not w.up or not w.info_read:
                     await self._read_server_info(w)
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             self.metrics.polls.labels(w.url, "failed").inc()
@@ -372,6 +374,7 @@ class Omni:
         status, body = await self._get(w, "/server_info")
         if status == 404:
             status, body = await self._get(w, "/get_server_info")
+        w.info_read = True
         if status != 200:
             return
         try:
@@ -388,6 +391,7 @@ class Omni:
         if w.up:
             log.warning("worker %s is down: %s", w.url, reason)
         w.up = False
+        w.info_read = False  # it may come back with other settings
         w.down_reason = reason
         for c in self.classes.values():
             if not any(x.up for x in c.workers):
@@ -602,7 +606,7 @@ class Omni:
             load = w.load()
             out.append({"url": w.url, "up": w.up, "down_reason": None if w.up else w.down_reason,
                         "in_flight": w.in_flight, "limit": w.limit, "routed": w.routed,
-                        "max_running_requests": w.max_running, "signals": w.signals.__dict__,
+                        "max_running_requests": w.max_running, "signals": dataclasses.asdict(w.signals),
                         "signal_age_s": None if w.polled_at is None else round(now - w.polled_at, 4),
                         "estimate": {"total": load.total_est, "running": load.running_est,
                                      "waiting": load.waiting_est}})  # fmt: skip
