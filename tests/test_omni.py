@@ -301,6 +301,30 @@ def test_bounded_queue_answers_429_beyond_its_size(twins, omni):
     assert sum(m[("omni_requests_routed_total", ("worker", t.url))] for t in (b, c)) == 4
 
 
+def test_clients_that_go_away_free_their_place_in_the_queue_and_at_the_worker(twins, omni):
+    b = twins[1]
+    url = omni([b], "round_robin", 5, 1)
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            tasks = [asyncio.create_task(post(s, url, native(f"leave {i}", max_new=500))) for i in range(3)]
+            state = await asyncio.to_thread(
+                wait_for, lambda: get_json(url + "/omni/workers")["queues"]["default"] == 2, 10, "2 queued"
+            )
+            assert state
+            assert get_json(url + "/omni/workers")["workers"][0]["in_flight"] == 1
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+    wait_for(lambda: get_json(url + "/omni/workers")["queues"]["default"] == 0, 10, "the queue emptied")
+    wait_for(lambda: get_json(url + "/omni/workers")["workers"][0]["in_flight"] == 0, 10, "nothing in flight")
+    wait_idle(b)  # the worker's connection was closed, so the twin aborted the stream
+    ((status, _, _),) = run_requests(url, [("/generate", native("after"))], 1)
+    assert status == 200
+
+
 def test_no_healthy_worker_is_503(omni):
     dead = f"http://127.0.0.1:{free_port()}"
     url = omni([dead], "least_queue")
