@@ -37,6 +37,9 @@ def test_estimates_correct_the_stale_poll_with_omnis_own_counts():
     # Load from elsewhere (not through omni) stays in the estimate.
     w = WorkerLoad(0, "w", running=6, waiting=0, in_flight=1, in_flight_at_poll=0)
     assert w.total_est == 7
+    # omni's requests not yet at the worker when it answered: never fewer than omni's own.
+    w = WorkerLoad(0, "w", running=1, waiting=0, in_flight=4, in_flight_at_poll=3)
+    assert w.total_est == 4
     # Without any signal: omni's own count, split by max_running.
     w = WorkerLoad(0, "w", in_flight=6, max_running=4)
     assert (w.total_est, w.running_est, w.waiting_est) == (6, 4, 2)

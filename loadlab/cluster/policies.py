@@ -50,10 +50,10 @@ class WorkerLoad:
     def total_est(self) -> int:
         """Requests at the worker now (running + waiting): the polled total, corrected by what omni's own
         count did since the poll (requests omni sent since are added, those that finished since are
-        taken off). Without a polled signal, omni's own count."""
+        taken off), never below omni's own count. Without a polled signal, omni's own count."""
         if self.running is None or self.waiting is None:
             return self.in_flight
-        return max(0, self.running + self.waiting + self.in_flight - self.in_flight_at_poll)
+        return max(self.in_flight, self.running + self.waiting + self.in_flight - self.in_flight_at_poll)
 
     @property
     def running_est(self) -> int:
