@@ -516,7 +516,10 @@ class Omni:
         url = w.url + request.path_qs
         try:
             up = await self.session.post(url, data=body, headers=headers)
-        except aiohttp.ClientConnectorError as e:
+        except (
+            aiohttp.ClientConnectorError,
+            aiohttp.ConnectionTimeoutError,
+        ) as e:  # it never got the request
             raise _ConnectFailed(str(e)) from None
         except (aiohttp.ClientError, OSError, TimeoutError) as e:  # sent, but no response
             self.metrics.proxy_errors.labels(w.url, "no_response").inc()
