@@ -385,7 +385,7 @@ def test_a_killed_worker_gets_no_requests_after_the_next_poll_and_returns_when_p
         time.sleep(1.5)
         assert routed(url)[2] == after_poll  # nothing more for the dead worker
         late = [o for t, o in outcomes if t > t_kill + 2 * POLL_S]
-        assert len(late) > 10 and all(o == "ok" for o in late), Counter(late)
+        assert len(late) >= 5 and all(o == "ok" for o in late), Counter(late)
         early_failures = [o for t, o in outcomes if t <= t_kill + 2 * POLL_S and o != "ok"]
         assert len(early_failures) <= 3, early_failures  # at most those in flight at the victim
         state = get_json(url + "/omni/workers")["workers"][2]
