@@ -1,0 +1,748 @@
+"""omni: loadlab's model of the seed's global scheduler, a real HTTP front (aiohttp) over SGLang workers.
+
+    python -m loadlab.cluster.omni --host 127.0.0.1 --port 0 --policy NAME --poll-interval-s S \\
+        --queue-size N [--max-in-flight-per-worker K] WORKER_URL...
+
+prints ``loadlab-omni listening on http://HOST:PORT`` when it listens (``omni_process.READY_PREFIX``), logs
+to stderr, and stops on SIGTERM or SIGINT (exit 0); a bad flag is one line and exit 2.
+
+- Proxy: ``POST /generate``, ``/v1/completions``, ``/v1/chat/completions`` go to the worker the policy picks
+  (``loadlab.cluster.policies``), body bytes unchanged; the worker's status, headers (hop-by-hop removed)
+  and body come back unchanged, chunk by chunk as they arrive. Request headers forwarded: content-type,
+  authorization, x-request-id and ``x-request-id-*``, x-correlation-id, traceparent, tracestate (the
+  real sglang-router's set). ``GET /v1/models``, ``/server_info``, ``/model_info`` come from a healthy
+  worker; ``/flush_cache`` is fanned out; ``/health`` and ``/metrics`` are omni's own.
+- Feedback loop: every ``--poll-interval-s`` each worker's ``GET /get_load`` and ``GET /metrics``
+  (``loadlab.cluster.signals``); decisions use these stale signals plus omni's own in-flight count per
+  worker. A failed poll, or a connection error while proxying, marks a worker down until a poll succeeds.
+- Bounded queue: a request waits in a FIFO while every healthy worker has its limit in flight
+  (``--max-in-flight-per-worker``, default each worker's ``max_running_requests``); beyond
+  ``--queue-size`` waiting it gets 429, with no healthy worker 503. Every response omni produces itself
+  carries ``x-loadlab-front: omni``.
+
+Room for SLO classes and districts: queues, queue sizes, round-robin cursors and worker pools are keyed by
+class (``SloClass``); today there is one class, ``default``, over every worker.
+docs/cluster.md ("The omni front") is the user's description.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import random
+import signal
+import socket
+import sys
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from loadlab import exits
+from loadlab.cliargs import OneLineParser, non_negative, positive
+from loadlab.cluster.omni_process import READY_PREFIX
+from loadlab.cluster.policies import POLICIES, PolicyParams, Snapshot, WorkerLoad, choose, prompt_prefix
+from loadlab.cluster.signals import Signals, combine, parse_get_load, parse_metrics
+
+log = logging.getLogger("loadlab.omni")
+
+PROG = "python -m loadlab.cluster.omni"
+FRONT_HEADER = "x-loadlab-front"
+FRONT_VALUE = "omni"
+PROXIED = ("/generate", "/v1/completions", "/v1/chat/completions")
+FROM_A_WORKER = ("/v1/models", "/server_info", "/get_server_info", "/model_info", "/get_model_info")
+DEFAULT_CLASS = "default"
+# Request headers passed to the worker (sglang-router's set, plus the body's content type).
+FORWARD_HEADERS = ("content-type", "authorization", "x-request-id", "x-correlation-id", "traceparent",
+                   "tracestate")  # fmt: skip
+FORWARD_PREFIXES = ("x-request-id-",)
+HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                        "trailer", "trailers", "transfer-encoding", "upgrade"))  # fmt: skip
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+PASSTHROUGH = "omni.passthrough"  # request key: the response is a worker's, not omni's
+
+
+@dataclass(frozen=True)
+class OmniConfig:
+    """The front's settings (the command line's flags)."""
+
+    workers: tuple[str, ...]
+    policy: str = "round_robin"
+    poll_interval_s: float = 1.0
+    queue_size: int = 100
+    max_in_flight_per_worker: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    poll_timeout_s: float = 2.0
+    prefix_len: int = 256
+    params: PolicyParams = field(default_factory=PolicyParams)
+    seed: int = 0
+
+
+class Reject(Exception):
+    """A request omni answers itself (429 queue full, 503 no healthy worker, 502 worker error)."""
+
+    def __init__(self, status: int, reason: str, message: str, **extra):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.extra = status, reason, message, extra
+
+
+class _ConnectFailed(Exception):
+    """The worker could not be reached: it never got the request, so another worker may take it."""
+
+
+class Worker:
+    """One worker's state: health, omni's own counts, the last poll's signals."""
+
+    def __init__(self, index: int, url: str):
+        self.index = index
+        self.url = url.rstrip("/")
+        self.up = False
+        self.down_reason = "not polled yet"
+        self.in_flight = 0
+        self.routed = 0
+        self.max_running: int | None = None  # from /server_info
+        self.max_total_tokens: int | None = None
+        self.info_read = False  # /server_info read since the worker last came up
+        self.limit_flag: int | None = None  # --max-in-flight-per-worker
+        self.signals = Signals()
+        self.in_flight_at_poll = 0
+        self.polled_at: float | None = None  # loop time of the last successful poll
+
+    @property
+    def limit(self) -> int | None:
+        return self.limit_flag if self.limit_flag is not None else self.max_running
+
+    def load(self) -> WorkerLoad:
+        s = self.signals
+        return WorkerLoad(
+            index=self.index,
+            name=self.url,
+            up=self.up,
+            in_flight=self.in_flight,
+            limit=self.limit,
+            routed=self.routed,
+            running=s.running,
+            waiting=s.waiting,
+            token_usage=s.token_usage,
+            in_flight_at_poll=self.in_flight_at_poll,
+            max_running=self.max_running,
+        )
+
+
+@dataclass
+class SloClass:
+    """A class of requests: its own FIFO queue and bound, over its own pool of workers (its district)."""
+
+    name: str
+    queue_size: int
+    workers: list[Worker]
+    queue: deque[_Waiter] = field(default_factory=deque)
+    cursor: int = 0  # round robin: the worker index after the last choice
+
+
+@dataclass
+class _Waiter:
+    future: asyncio.Future
+    key: bytes | None
+    since: float
+
+
+class _Metrics:
+    """omni's own Prometheus metrics: counters as events happen, gauges read from the state at scrape time."""
+
+    def __init__(self, omni: Omni):
+        from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+        from prometheus_client.core import GaugeMetricFamily
+
+        disable_created_metrics()  # no *_created series: omni is a process of its own
+
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        urls = [w.url for w in omni.workers]
+        self.received = Counter("omni_requests", "Requests received on the proxied endpoints.",
+                                ["endpoint"], registry=r)  # fmt: skip
+        self.routed = Counter("omni_requests_routed", "Requests sent to each worker (again after a failed "
+                              "connection moved one to another worker).", ["worker"], registry=r)  # fmt: skip
+        self.responses = Counter("omni_worker_responses", "Worker responses passed through, by HTTP status.",
+                                 ["worker", "code"], registry=r)  # fmt: skip
+        self.rejects = Counter("omni_rejects", "Requests omni answered itself instead of a worker, by reason.",
+                               ["reason"], registry=r)  # fmt: skip
+        self.proxy_errors = Counter("omni_proxy_errors", "Connection errors while proxying to a worker.",
+                                    ["worker", "kind"], registry=r)  # fmt: skip
+        self.polls = Counter("omni_polls", "Polls of each worker's load signals, by result.",
+                             ["worker", "result"], registry=r)  # fmt: skip
+        self.queue_wait = Histogram("omni_queue_wait_seconds", "Time requests waited in omni's queue.",
+                                    ["slo_class"], buckets=QUEUE_WAIT_BUCKETS, registry=r)  # fmt: skip
+        for endpoint in PROXIED:
+            self.received.labels(endpoint)
+        for url in urls:
+            self.routed.labels(url)
+            for result in ("ok", "failed"):
+                self.polls.labels(url, result)
+        for reason in ("queue_full", "no_healthy_worker", "worker_error"):
+            self.rejects.labels(reason)
+        for cls in omni.classes:
+            self.queue_wait.labels(cls)
+
+        class _State:
+            def collect(self):
+                now = asyncio.get_running_loop().time()
+                up = GaugeMetricFamily("omni_worker_up", "1 while omni routes to the worker, 0 while down.",
+                                       labels=["worker"])  # fmt: skip
+                fl = GaugeMetricFamily("omni_requests_in_flight", "omni's requests in flight per worker.",
+                                       labels=["worker"])  # fmt: skip
+                lim = GaugeMetricFamily("omni_worker_max_in_flight", "The most requests omni lets a worker "
+                                        "have in flight (0: no limit).", labels=["worker"])  # fmt: skip
+                sig = GaugeMetricFamily("omni_worker_signal", "The last poll's load signals per worker.",
+                                        labels=["worker", "signal"])  # fmt: skip
+                age = GaugeMetricFamily("omni_worker_signal_age_seconds", "Age of each worker's last "
+                                        "successful poll.", labels=["worker"])  # fmt: skip
+                for w in omni.workers:
+                    up.add_metric([w.url], 1.0 if w.up else 0.0)
+                    fl.add_metric([w.url], w.in_flight)
+                    lim.add_metric([w.url], w.limit or 0)
+                    s = w.signals
+                    for name in ("running", "waiting", "token_usage", "num_tokens"):
+                        value = getattr(s, name)
+                        if value is not None:
+                            sig.add_metric([w.url, name], value)
+                    if w.polled_at is not None:
+                        age.add_metric([w.url], now - w.polled_at)
+                q = GaugeMetricFamily("omni_queue_length", "Requests waiting in omni's queue.",
+                                      labels=["slo_class"])  # fmt: skip
+                for c in omni.classes.values():
+                    q.add_metric([c.name], len(c.queue))
+                yield from (up, fl, lim, sig, age, q)
+
+            def describe(self):
+                return []
+
+        r.register(_State())
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _error(status: int, reason: str, message: str, **extra) -> web.Response:
+    """An error omni produces: an SGLang-style OpenAI error body, with omni's reason."""
+    body = {"object": "error", "message": message, "type": reason, "param": None, "code": status,
+            "front": FRONT_VALUE, "reason": reason, **extra}  # fmt: skip
+    return web.json_response(body, status=status)
+
+
+def _pass_headers(headers: Iterable[tuple[str, str]]) -> CIMultiDict:
+    """A worker's response headers without the hop-by-hop ones (nor those its Connection header names)."""
+    items = list(headers)
+    drop = set(HOP_BY_HOP)
+    for k, v in items:
+        if k.lower() == "connection":
+            drop.update(t.strip().lower() for t in v.split(","))
+    return CIMultiDict((k, v) for k, v in items if k.lower() not in drop)
+
+
+def _forward_headers(headers) -> dict[str, str]:
+    out = {}
+    for k, v in headers.items():
+        lk = k.lower()
+        if lk in FORWARD_HEADERS or lk.startswith(FORWARD_PREFIXES):
+            out[k] = v
+    return out
+
+
+class Omni:
+    """The front: workers, classes, the poller, the queue, the proxy. ``start()``, ``app``, ``stop()``."""
+
+    def __init__(self, config: OmniConfig):
+        self.config = config
+        self.workers = [Worker(i, url) for i, url in enumerate(config.workers)]
+        for w in self.workers:
+            w.limit_flag = config.max_in_flight_per_worker
+        self.classes: dict[str, SloClass] = {
+            DEFAULT_CLASS: SloClass(DEFAULT_CLASS, config.queue_size, list(self.workers))
+        }
+        self.rng = random.Random(config.seed)
+        self.needs_key = config.policy == "prefix"
+        self.metrics = _Metrics(self)
+        self.session: aiohttp.ClientSession | None = None
+        self._pollers: list[asyncio.Task] = []
+
+    # -- life ---------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Opens the client session and polls every worker once (so the first requests have signals and
+        limits); then polls each worker every ``poll_interval_s`` in the background."""
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.poll_timeout_s)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                             skip_auto_headers=("Accept-Encoding", "User-Agent"))  # fmt: skip
+        await asyncio.gather(*(self._poll(w) for w in self.workers))
+        self._pollers = [asyncio.create_task(self._poll_loop(w)) for w in self.workers]
+
+    async def stop(self) -> None:
+        for t in self._pollers:
+            t.cancel()
+        for t in self._pollers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for c in self.classes.values():
+            while c.queue:
+                waiter = c.queue.popleft()
+                if not waiter.future.done():
+                    waiter.future.set_exception(Reject(503, "no_healthy_worker", "omni is stopping"))
+        if self.session is not None:
+            await self.session.close()
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        r = app.router
+        for path in PROXIED:
+            r.add_post(path, self.proxy)
+        for path in FROM_A_WORKER:
+            r.add_get(path, self.from_a_worker)
+        r.add_route("GET", "/flush_cache", self.flush_cache)
+        r.add_route("POST", "/flush_cache", self.flush_cache)
+        r.add_get("/health", self.health)
+        r.add_get("/metrics", self.metrics_endpoint)
+        r.add_get("/omni/workers", self.workers_endpoint)
+        app.on_response_prepare.append(self._mark_own)
+        return app
+
+    @staticmethod
+    async def _mark_own(request: web.Request, response: web.StreamResponse) -> None:
+        if not request.get(PASSTHROUGH):
+            response.headers[FRONT_HEADER] = FRONT_VALUE
+
+    # -- the feedback loop --------------------------------------------------------------------------------
+    async def _poll_loop(self, w: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.config.poll_interval_s
+        due = loop.time()
+        while True:
+            due += interval
+            delay = due - loop.time()
+            if delay < 0:  # a poll overran: skip the missed ticks
+                due = loop.time()
+                delay = 0.0
+            await asyncio.sleep(delay)
+            try:
+                await self._poll(w)
+            except Exception:  # a bug must not stop the loop: say it and go on
+                log.exception("polling %s", w.url)
+
+    async def _get(self, w: Worker, path: str) -> tuple[int, bytes]:
+        assert self.session is not None
+        async with self.session.get(w.url + path) as r:
+            return r.status, await r.read()
+
+    async def _poll(self, w: Worker) -> None:
+        """One poll of ``w``: ``/get_load`` and ``/metrics`` (a 404 from either: no signal from it). Any
+        other answer below 500 counts as alive; a 5xx, a connection error or a timeout marks it down."""
+        try:
+            async with asyncio.timeout(self.config.poll_timeout_s):
+                (ls, lb), (ms, mb) = await asyncio.gather(self._get(w, "/get_load"), self._get(w, "/metrics"))
+                if not w.up or not w.info_read:
+                    await self._read_server_info(w)
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            self.metrics.polls.labels(w.url, "failed").inc()
+            self._mark_down(w, f"poll failed: {type(e).__name__}: {e}".rstrip(": "))
+            return
+        if ls >= 500 or ms >= 500:
+            self.metrics.polls.labels(w.url, "failed").inc()
+            self._mark_down(w, f"poll failed: /get_load HTTP {ls}, /metrics HTTP {ms}")
+            return
+        load = parse_get_load(lb) if ls == 200 else None
+        metrics = parse_metrics(mb.decode("utf-8", "replace")) if ms == 200 else None
+        w.signals = combine(load, metrics, w.max_total_tokens)
+        w.in_flight_at_poll = w.in_flight
+        w.polled_at = asyncio.get_running_loop().time()
+        self.metrics.polls.labels(w.url, "ok").inc()
+        if not w.up:
+            w.up = True
+            log.info("worker %s is up (limit %s, signals from %s)", w.url, w.limit, w.signals.source)
+        self._pump()
+
+    async def _read_server_info(self, w: Worker) -> None:
+        status, body = await self._get(w, "/server_info")
+        if status == 404:
+            status, body = await self._get(w, "/get_server_info")
+        w.info_read = True
+        if status != 200:
+            return
+        try:
+            info = json.loads(body)
+        except ValueError:
+            return
+        if not isinstance(info, dict):
+            return
+        mrr, mtt = info.get("max_running_requests"), info.get("max_total_num_tokens")
+        w.max_running = mrr if isinstance(mrr, int) and mrr > 0 else None
+        w.max_total_tokens = mtt if isinstance(mtt, int) and mtt > 0 else None
+
+    def _mark_down(self, w: Worker, reason: str) -> None:
+        if w.up:
+            log.warning("worker %s is down: %s", w.url, reason)
+        w.up = False
+        w.info_read = False  # it may come back with other settings
+        w.down_reason = reason
+        for c in self.classes.values():
+            if not any(x.up for x in c.workers):
+                self._fail_waiters(c)
+
+    # -- the queue ----------------------------------------------------------------------------------------
+    def _classify(self, request: web.Request) -> SloClass:
+        """The request's SLO class (one class today)."""
+        return self.classes[DEFAULT_CLASS]
+
+    def _pick(self, c: SloClass, key: bytes | None) -> Worker | None:
+        """The policy's choice among the class's workers with room, counted as in flight there."""
+        snap = Snapshot(tuple(w.load() for w in c.workers), key, c.cursor)
+        index = choose(self.config.policy, snap, self.rng, self.config.params)
+        if index is None:
+            return None
+        w = self.workers[index]
+        c.cursor = index + 1
+        w.in_flight += 1
+        w.routed += 1
+        self.metrics.routed.labels(w.url).inc()
+        return w
+
+    def _release(self, w: Worker) -> None:
+        w.in_flight -= 1
+        self._pump()
+
+    def _pump(self) -> None:
+        """Hands the heads of the queues to workers that have room, in order."""
+        for c in self.classes.values():
+            q = c.queue
+            while q:
+                waiter = q[0]
+                if waiter.future.done():  # its client went away
+                    q.popleft()
+                    continue
+                w = self._pick(c, waiter.key)
+                if w is None:
+                    break
+                q.popleft()
+                waiter.future.set_result(w)
+
+    def _no_worker(self, c: SloClass) -> Reject:
+        down = "; ".join(f"{w.url}: {w.down_reason}" for w in c.workers)
+        return Reject(503, "no_healthy_worker", f"omni: no healthy worker ({down})")
+
+    def _fail_waiters(self, c: SloClass) -> None:
+        while c.queue:
+            waiter = c.queue.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(self._no_worker(c))
+
+    async def _acquire(self, c: SloClass, key: bytes | None, retry: bool = False) -> Worker:
+        """A worker for one request, counted as in flight; it waits in the class's queue while no worker
+        has room. Raises Reject: 503 without a healthy worker, 429 when the queue is full. A retry (its
+        first worker could not be reached) goes to the head of the queue."""
+        if not any(w.up for w in c.workers):
+            raise self._no_worker(c)
+        if not c.queue or retry:
+            w = self._pick(c, key)
+            if w is not None:
+                return w
+        if len(c.queue) >= c.queue_size and not retry:
+            n = len(c.queue)
+            raise Reject(429, "queue_full", f"omni: the queue is full ({n} waiting, --queue-size "
+                         f"{c.queue_size}; every healthy worker at its in-flight limit)", waiting=n)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop.create_future(), key, loop.time())
+        if retry:
+            c.queue.appendleft(waiter)
+        else:
+            c.queue.append(waiter)
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            f = waiter.future
+            if f.done() and not f.cancelled() and f.exception() is None:
+                self._release(f.result())  # assigned just before the client went away
+            with contextlib.suppress(ValueError):
+                c.queue.remove(waiter)
+            raise
+        finally:
+            self.metrics.queue_wait.labels(c.name).observe(loop.time() - waiter.since)
+
+    # -- the proxy ----------------------------------------------------------------------------------------
+    def _key(self, path: str, body: bytes) -> bytes | None:
+        if not self.needs_key:
+            return None
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return None
+        return prompt_prefix(path, parsed, self.config.prefix_len)
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        self.metrics.received.labels(path).inc()
+        body = await request.read()
+        c = self._classify(request)
+        key = self._key(path, body)
+        headers = _forward_headers(request.headers)
+        retry = False
+        while True:
+            try:
+                w = await self._acquire(c, key, retry)
+            except Reject as r:
+                self.metrics.rejects.labels(r.reason).inc()
+                return _error(r.status, r.reason, r.message, **r.extra)
+            try:
+                return await self._forward(request, w, body, headers)
+            except _ConnectFailed as e:  # the worker never got it: mark it down, pick again
+                self.metrics.proxy_errors.labels(w.url, "connect").inc()
+                self._mark_down(w, f"connection failed: {e}")
+                retry = True
+            finally:
+                self._release(w)
+
+    async def _forward(
+        self, request: web.Request, w: Worker, body: bytes, headers: dict
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        url = w.url + request.path_qs
+        try:
+            up = await self.session.post(url, data=body, headers=headers)
+        except (
+            aiohttp.ClientConnectorError,
+            aiohttp.ConnectionTimeoutError,
+        ) as e:  # it never got the request
+            raise _ConnectFailed(str(e)) from None
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:  # sent, but no response
+            self.metrics.proxy_errors.labels(w.url, "no_response").inc()
+            self._mark_down(w, f"no response: {type(e).__name__}: {e}")
+            self.metrics.rejects.labels("worker_error").inc()
+            return _error(502, "worker_error", f"omni: worker {w.url} gave no response: {type(e).__name__}")
+        self.metrics.responses.labels(w.url, str(up.status)).inc()
+        request[PASSTHROUGH] = True
+        try:
+            resp = web.StreamResponse(
+                status=up.status, reason=up.reason, headers=_pass_headers(up.headers.items())
+            )
+            await resp.prepare(request)
+            content = up.content
+            while True:
+                try:
+                    chunk = await content.readany()
+                except (aiohttp.ClientError, OSError, TimeoutError) as e:  # the worker broke off mid-response
+                    self.metrics.proxy_errors.labels(w.url, "mid_response").inc()
+                    self._mark_down(w, f"connection lost mid-response: {type(e).__name__}")
+                    _cut(request)
+                    return resp
+                if not chunk:
+                    break
+                try:
+                    await resp.write(chunk)
+                except ConnectionError:  # the client went away: the worker's connection closes below
+                    return resp
+            await resp.write_eof()
+            return resp
+        finally:
+            up.close()
+
+    async def from_a_worker(self, request: web.Request) -> web.StreamResponse:
+        """A GET answered by the first healthy worker that answers (its response unchanged)."""
+        assert self.session is not None
+        for w in [w for w in self.workers if w.up]:
+            try:
+                async with self.session.get(
+                    w.url + request.path_qs, headers=_forward_headers(request.headers)
+                ) as up:
+                    body = await up.read()
+                    request[PASSTHROUGH] = True
+                    headers = _pass_headers(up.headers.items())
+                    headers.popall("Content-Length", None)
+                    return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                self._mark_down(w, f"{request.path} failed: {type(e).__name__}")
+        r = self._no_worker(self.classes[DEFAULT_CLASS])
+        self.metrics.rejects.labels(r.reason).inc()
+        return _error(r.status, r.reason, r.message)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """Fanned out to every healthy worker: 200 when each flushed, else the first failure's status."""
+        assert self.session is not None
+        targets = [w for w in self.workers if w.up]
+
+        async def one(w: Worker) -> tuple[int, str]:
+            try:
+                async with self.session.post(w.url + "/flush_cache") as r:
+                    return r.status, (await r.text()).strip().splitlines()[0:1]
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                return 502, [f"{type(e).__name__}"]
+
+        results = await asyncio.gather(*(one(w) for w in targets))
+        if not targets:
+            return web.Response(status=503, text="omni: no healthy worker to flush\n")
+        failed = [s for s, _ in results if s != 200]
+        lines = [f"{w.url}: {s} {' '.join(t)}" for w, (s, t) in zip(targets, results, strict=True)]
+        return web.Response(status=failed[0] if failed else 200, text="\n".join(lines) + "\n")
+
+    async def health(self, request: web.Request) -> web.Response:
+        up = sum(w.up for w in self.workers)
+        body = {"status": "ok" if up else "no healthy worker", "front": FRONT_VALUE, "workers_up": up,
+                "workers": len(self.workers), "queued": sum(len(c.queue) for c in self.classes.values())}  # fmt: skip
+        return web.json_response(body, status=200 if up else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def workers_endpoint(self, request: web.Request) -> web.Response:
+        """omni's view of each worker (JSON): what a decision sees, and why a worker is down."""
+        now = asyncio.get_running_loop().time()
+        out = []
+        for w in self.workers:
+            load = w.load()
+            out.append({"url": w.url, "up": w.up, "down_reason": None if w.up else w.down_reason,
+                        "in_flight": w.in_flight, "limit": w.limit, "routed": w.routed,
+                        "max_running_requests": w.max_running, "signals": dataclasses.asdict(w.signals),
+                        "signal_age_s": None if w.polled_at is None else round(now - w.polled_at, 4),
+                        "estimate": {"total": load.total_est, "running": load.running_est,
+                                     "waiting": load.waiting_est}})  # fmt: skip
+        queues = {c.name: len(c.queue) for c in self.classes.values()}
+        return web.json_response({"policy": self.config.policy, "workers": out, "queues": queues})
+
+
+def _cut(request: web.Request) -> None:
+    """Ends the client's connection without the chunked terminator: the client sees the stream broken off,
+    as it would have from the worker."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+# -- the process ------------------------------------------------------------------------------------------
+def _worker_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected a worker URL like http://HOST:PORT, got {text!r}")
+    try:
+        parts.port  # noqa: B018 - validates the port
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad port in worker URL {text!r}") from None
+    return text.rstrip("/")
+
+
+def _port(text: str) -> int:
+    port = non_negative(int)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, got {text!r}")
+    return port
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog=PROG, description="omni: loadlab's global front over SGLang workers (a proxy with "
+                      "routing policies fed by each worker's polled load, and a bounded queue).")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=30000, help="port to listen on, 0: any free one "
+                   "(default: %(default)s)")  # fmt: skip
+    p.add_argument("--policy", choices=sorted(POLICIES), default="round_robin",
+                   help="routing policy (default: %(default)s)")  # fmt: skip
+    p.add_argument("--poll-interval-s", type=positive(float), default=1.0,
+                   help="seconds between polls of each worker's load (default: %(default)s)")  # fmt: skip
+    p.add_argument("--poll-timeout-s", type=positive(float), default=2.0,
+                   help="a poll slower than this fails and marks the worker down (default: %(default)s)")  # fmt: skip
+    p.add_argument("--queue-size", type=non_negative(int), default=100,
+                   help="most requests waiting in omni's queue; more get 429 (default: %(default)s)")  # fmt: skip
+    p.add_argument("--max-in-flight-per-worker", type=positive(int), default=None, metavar="K",
+                   help="most requests omni keeps in flight at one worker (default: the worker's "
+                   "max_running_requests from /server_info; none if it reports none)")  # fmt: skip
+    p.add_argument("--prefix-len", type=positive(int), default=256,
+                   help="prefix policy: token ids or characters of the prompt that make the key "
+                   "(default: %(default)s)")  # fmt: skip
+    p.add_argument("--prefix-balance-abs", type=non_negative(int), default=PolicyParams.balance_abs,
+                   help="prefix policy: fall back to least_queue when the key's worker has more than this "
+                   "many requests more than the least busy ... (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--prefix-balance-rel",
+        type=positive(float),
+        default=PolicyParams.balance_rel,
+        help="... and more than this many times its requests (default: %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="power_of_two's random choices (default: %(default)s)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="log level; logs go to stderr (default: %(default)s)")  # fmt: skip
+    p.add_argument("workers", nargs="+", type=_worker_url, metavar="WORKER_URL",
+                   help="the SGLang workers, e.g. http://127.0.0.1:30001")  # fmt: skip
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> OmniConfig:
+    return OmniConfig(
+        workers=tuple(args.workers),
+        policy=args.policy,
+        poll_interval_s=args.poll_interval_s,
+        queue_size=args.queue_size,
+        max_in_flight_per_worker=args.max_in_flight_per_worker,
+        host=args.host,
+        port=args.port,
+        poll_timeout_s=args.poll_timeout_s,
+        prefix_len=args.prefix_len,
+        params=PolicyParams(args.prefix_balance_abs, args.prefix_balance_rel),
+        seed=args.seed,
+    )
+
+
+async def serve(config: OmniConfig) -> None:
+    """Serves until SIGTERM or SIGINT. Raises OSError when it cannot listen."""
+    sock = socket.create_server((config.host, config.port), backlog=4096)
+    sock.setblocking(False)
+    omni = Omni(config)
+    runner = web.AppRunner(omni.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        await omni.start()
+        await web.SockSite(runner, sock).start()
+        port = sock.getsockname()[1]
+        shown = f"[{config.host}]" if ":" in config.host else config.host
+        sys.stdout.write(f"{READY_PREFIX}http://{shown}:{port}\n")
+        sys.stdout.flush()
+        up = sum(w.up for w in omni.workers)
+        log.info("omni: policy %s over %d workers (%d up), poll every %g s, queue %d, limit per worker %s",
+                 config.policy, len(omni.workers), up, config.poll_interval_s, config.queue_size,
+                 config.max_in_flight_per_worker or "max_running_requests")  # fmt: skip
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await omni.stop()
+        await runner.cleanup()
+        sock.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    config = config_from_args(args)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(config))
+    except OSError as e:
+        print(
+            f"{PROG}: error: cannot listen on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr
+        )
+        return exits.PARTIAL
+    return exits.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["Omni", "OmniConfig", "build_parser", "main", "serve"]
