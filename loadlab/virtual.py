@@ -32,10 +32,13 @@ import random
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loadlab.analysis.report import write_report
+from loadlab.cluster.policies import POLICIES as OMNI_POLICIES
+from loadlab.cluster.policies import Snapshot, WorkerLoad, choose
 from loadlab.load import Tickets, arrivals_for, describe_load
 from loadlab.manifest import Counts, Manifest, TargetInfo, VirtualStats, software_versions, write_manifest
 from loadlab.profile import Profile
@@ -43,6 +46,7 @@ from loadlab.records import (
     HTTP_ERROR,
     MEASURE,
     OK,
+    STATUS_FRONT,
     STATUS_WORKER,
     RequestRecord,
     default_run_name,
@@ -132,7 +136,7 @@ class VirtualRun:
         settings: TwinSettings | list[TwinSettings],
         run_id: str = "virtual",
         epoch: float = 0.0,
-        policy: str = "round_robin",
+        front: FrontSpec | None = None,
     ):
         self.profile = profile
         many = settings if isinstance(settings, list) else [settings]
@@ -140,7 +144,8 @@ class VirtualRun:
             _Worker(f"virtual-{i}" if len(many) > 1 else WORKER_ID, s) for i, s in enumerate(many)
         ]
         self.settings = many[0]
-        self.route = ROUTES[policy](self.workers, profile.seed)
+        self.front = make_front(front or FrontSpec(), self.workers, profile.seed)
+        self._front_queue: deque[tuple[int, str, float, float | None]] = deque()  # (index, phase, t, due)
         self.specs = _specs_for(profile)
         self.run_id = run_id
         self.epoch = epoch
@@ -195,7 +200,18 @@ class VirtualRun:
             self._waiting_sends.append((index, phase, due if due is not None else t))
             return
         spec = self.specs.get(index)
-        worker = self.workers[self.route(spec)]
+        chosen = self.front.choose(spec, t)
+        if chosen is None:  # no worker has room: the request waits at the front, or is refused
+            if len(self._front_queue) >= self.front.queue_size:
+                self._record_rejected(index, phase, t, due, spec)
+                self._on_done(t, index, phase)
+            else:
+                self._front_queue.append((index, phase, t, due))
+                self.in_flight += 1
+            return
+        self._dispatch(t, index, phase, due, spec, self.workers[chosen])
+
+    def _dispatch(self, t: float, index: int, phase: str, due: float | None, spec, worker: _Worker) -> None:
         worker.routed += 1
         req = Request(
             f"{self.run_id}-{index}",
@@ -210,9 +226,22 @@ class VirtualRun:
         except (QueueFullError, RequestTooLargeError) as e:
             status = 503 if isinstance(e, QueueFullError) else 400
             self._record_failure(index, phase, t, due, spec, status, str(e), worker)
+            self.front.finished(self.workers.index(worker))
             self._on_done(t, index, phase)
             return
         self.in_flight += 1
+
+    def _drain_front_queue(self, now: float) -> None:
+        """A worker has room again: the front's waiting requests go out in order while they can."""
+        while self._front_queue:
+            index, phase, t, due = self._front_queue[0]
+            spec = self.specs.get(index)
+            chosen = self.front.choose(spec, now)
+            if chosen is None:
+                return
+            self._front_queue.popleft()
+            self.in_flight -= 1  # counted again by _dispatch
+            self._dispatch(t, index, phase, due, spec, self.workers[chosen])
 
     def _on_done(self, t: float, index: int, phase: str) -> None:
         opened = self.tickets.finished(phase)
@@ -250,6 +279,13 @@ class VirtualRun:
             t_scheduled_wall=None if due is None else self.epoch + due,
             **fields,
         )
+
+    def _record_rejected(self, index, phase, t, due, spec) -> None:
+        """The front's own 429: its queue is full (as omni answers)."""
+        message = f"the front's queue is full ({len(self._front_queue)} waiting)"
+        self._write(self._request_record(index, phase, t, due, spec, outcome=HTTP_ERROR, http_status=429,
+                                         error=f"HTTP 429: {message}", e2e_ms=0.0,
+                                         status_source=STATUS_FRONT))  # fmt: skip
 
     def _record_failure(self, index, phase, t, due, spec, status: int, message: str, worker: _Worker) -> None:
         self._write(self._request_record(index, phase, t, due, spec, outcome=HTTP_ERROR, http_status=status,
@@ -310,7 +346,7 @@ class VirtualRun:
                 if heap:
                     now = heap[0][0]
                     continue
-                if self.tickets.done and not self._waiting_sends:
+                if self.tickets.done and not self._waiting_sends and not self._front_queue:
                     break
                 raise RuntimeError("virtual run stalled: requests remain but nothing can run")
             first = min(busy, key=lambda w: w.end)
@@ -322,9 +358,12 @@ class VirtualRun:
             first.it = None
             for r in it.finished:
                 self.in_flight -= 1
+                self.front.finished(self.workers.index(r.handle[5]))
                 if r.state == DONE:
                     self._record(r)
                 self._on_done(now, r.handle[0], r.handle[1])
+            if self._front_queue:
+                self._drain_front_queue(now)
         self.t = now
 
     def stats(self) -> dict[str, Any]:
@@ -351,70 +390,149 @@ class VirtualRun:
         }
 
 
-# Front policies on the virtual clock: route(spec) -> the worker's index, from the workers' live state.
-def _round_robin(workers: list[_Worker], seed: int):
-    turn = itertools.count()
-    return lambda spec: next(turn) % len(workers)
+# -- the front ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FrontSpec:
+    """Which front a virtual cluster has: ``router`` (approximations of sglang-router's policies:
+    round_robin, power_of_two, cache_aware) or ``omni`` (omni's own policies, ``loadlab.cluster.policies``,
+    on signals polled every ``poll_interval_s`` of virtual time, with its bounded queue)."""
+
+    kind: str = "router"
+    policy: str = "round_robin"
+    poll_interval_s: float = 0.5
+    queue_size: int = 1024
 
 
-def _least_queue(workers: list[_Worker], seed: int):
-    return lambda spec: min(
-        range(len(workers)), key=lambda i: (len(workers[i].sched.waiting), workers[i].load)
-    )
+class _Front:
+    """A front's decisions on the virtual clock: ``choose(spec, now)`` is the worker's index, or None when
+    no worker may take the request now (it waits at the front); ``finished(i)`` when one ends on worker i."""
+
+    queue_size = 0  # a router-like front has no queue of its own: it always chooses
+
+    def __init__(self, workers: list[_Worker], seed: int):
+        self.workers = workers
+
+    def choose(self, spec, now: float) -> int | None:
+        raise NotImplementedError
+
+    def finished(self, i: int) -> None:
+        pass
 
 
-def _power_of_two(workers: list[_Worker], seed: int):
-    rng = random.Random(f"loadlab-virtual-power-of-two-{seed}")  # salt: never change
+class _RoundRobin(_Front):
+    def __init__(self, workers, seed):
+        super().__init__(workers, seed)
+        self.turn = itertools.count()
 
-    def route(spec) -> int:
-        if len(workers) == 1:
+    def choose(self, spec, now):
+        return next(self.turn) % len(self.workers)
+
+
+class _PowerOfTwo(_Front):
+    """Two random workers, the one with fewer requests wins (the router polls /get_load every 5 s and
+    falls back to its own counts; here the workers' live counts)."""
+
+    def __init__(self, workers, seed):
+        super().__init__(workers, seed)
+        self.rng = random.Random(f"loadlab-virtual-power-of-two-{seed}")  # salt: never change
+
+    def choose(self, spec, now):
+        if len(self.workers) == 1:
             return 0
-        a, b = rng.sample(range(len(workers)), 2)
-        return a if workers[a].load <= workers[b].load else b
-
-    return route
+        a, b = self.rng.sample(range(len(self.workers)), 2)
+        return a if self.workers[a].load <= self.workers[b].load else b
 
 
-def _cache_aware(workers: list[_Worker], seed: int):
-    """An approximation of sglang-router's cache_aware (design: shared/design/omni.md): a prefix tree per
-    worker of the prompts the front sent there (token ids here, the router keeps text), never the workers'
-    own caches. Imbalanced (most minus least in flight > 64 and most > 1.5 x least): the least loaded;
-    else the best match if it covers > 30% of the prompt; else the least loaded. The tree is not evicted."""
-    trees = [RadixCache() for _ in workers]
-    abs_threshold, rel_threshold, cache_threshold = 64, 1.5, 0.3  # the router's defaults
+class _CacheAware(_Front):
+    """An approximation of sglang-router's cache_aware (shared/design/omni.md): a prefix tree per worker of
+    the prompts the front sent there (token ids here, the router keeps text), never the workers' own
+    caches. Imbalanced (most minus least in flight > 64 and most > 1.5 x least): the least loaded; else the
+    best match if it covers > 30% of the prompt; else the least loaded. The trees are not evicted."""
 
-    def route(spec) -> int:
-        loads = [w.load for w in workers]
-        least = min(range(len(workers)), key=loads.__getitem__)
-        if max(loads) - min(loads) > abs_threshold and max(loads) > rel_threshold * min(loads):
+    ABS_THRESHOLD, REL_THRESHOLD, CACHE_THRESHOLD = 64, 1.5, 0.3  # the router's defaults
+
+    def __init__(self, workers, seed):
+        super().__init__(workers, seed)
+        self.trees = [RadixCache() for _ in workers]
+
+    def choose(self, spec, now):
+        loads = [w.load for w in self.workers]
+        least = min(range(len(loads)), key=loads.__getitem__)
+        if max(loads) - min(loads) > self.ABS_THRESHOLD and max(loads) > self.REL_THRESHOLD * min(loads):
             chosen = least
         else:
-            matched = [tree.peek_prefix_len(spec.prompt) for tree in trees]
-            best = max(range(len(workers)), key=matched.__getitem__)
-            chosen = best if matched[best] > cache_threshold * len(spec.prompt) else least
-        trees[chosen].insert(spec.prompt, 0.0)
+            matched = [tree.peek_prefix_len(spec.prompt) for tree in self.trees]
+            best = max(range(len(matched)), key=matched.__getitem__)
+            chosen = best if matched[best] > self.CACHE_THRESHOLD * len(spec.prompt) else least
+        self.trees[chosen].insert(spec.prompt, 0.0)
         return chosen
 
-    return route
+
+class _Omni(_Front):
+    """omni's policies (the real front's own functions) on what omni would know: each worker's signals as
+    polled at the last multiple of ``poll_interval_s`` (stale, as in life) and omni's exact in-flight
+    counts; at most ``max_running_requests`` in flight per worker, the rest waits in omni's queue."""
+
+    def __init__(self, workers, seed, spec: FrontSpec):
+        super().__init__(workers, seed)
+        self.policy, self.interval, self.queue_size = spec.policy, spec.poll_interval_s, spec.queue_size
+        self.rng = random.Random(f"loadlab-virtual-omni-{seed}")  # salt: never change
+        self.in_flight = [0] * len(workers)
+        self.routed = [0] * len(workers)
+        self.polled: list[tuple[int, int, float, int]] = []  # (running, waiting, token_usage, in flight)
+        self.next_poll = 0.0
+        self.cursor = 0
+
+    def _poll(self, now: float) -> None:
+        if now < self.next_poll and self.polled:
+            return
+        self.polled = [(len(w.sched.running), len(w.sched.waiting), w.sched.used_tokens / w.sched.max_total,
+                        self.in_flight[i]) for i, w in enumerate(self.workers)]  # fmt: skip
+        self.next_poll = (math.floor(now / self.interval) + 1) * self.interval
+
+    def choose(self, spec, now):
+        self._poll(now)
+        loads = tuple(
+            WorkerLoad(index=i, name=w.name, in_flight=self.in_flight[i], limit=w.settings.max_running_requests,
+                       routed=self.routed[i], running=run, waiting=wait, token_usage=usage,
+                       in_flight_at_poll=at_poll, max_running=w.settings.max_running_requests)
+            for i, (w, (run, wait, usage, at_poll)) in enumerate(zip(self.workers, self.polled, strict=True))
+        )  # fmt: skip
+        key = b"i:" + ",".join(map(str, spec.prompt[:OMNI_PREFIX_LEN])).encode()
+        chosen = choose(self.policy, Snapshot(workers=loads, key=key, cursor=self.cursor), self.rng)
+        if chosen is not None:
+            self.cursor = chosen + 1
+            self.in_flight[chosen] += 1
+            self.routed[chosen] += 1
+        return chosen
+
+    def finished(self, i: int) -> None:
+        self.in_flight[i] -= 1
 
 
-ROUTES = {
-    "round_robin": _round_robin,
-    "least_queue": _least_queue,
-    "power_of_two": _power_of_two,
-    "cache_aware": _cache_aware,
-}
+OMNI_PREFIX_LEN = 256  # omni's --prefix-len default: the prefix policy's key
+ROUTER_POLICIES = {"round_robin": _RoundRobin, "power_of_two": _PowerOfTwo, "cache_aware": _CacheAware}
+
+
+def make_front(spec: FrontSpec, workers: list[_Worker], seed: int) -> _Front:
+    if spec.kind == "omni":
+        if spec.policy not in OMNI_POLICIES:
+            raise ValueError(f"omni: no policy {spec.policy!r} (one of {', '.join(OMNI_POLICIES)})")
+        return _Omni(workers, seed, spec)
+    if spec.policy not in ROUTER_POLICIES:
+        raise ValueError(f"router: no policy {spec.policy!r} (one of {', '.join(ROUTER_POLICIES)})")
+    return ROUTER_POLICIES[spec.policy](workers, seed)
 
 
 def simulate(
     profile: Profile,
     sim_settings: dict[str, Any] | list[dict[str, Any]] | None = None,
-    policy: str = "round_robin",
+    front: FrontSpec | None = None,
 ) -> VirtualRun:
     """Runs a profile in virtual time without writing anything; ``.records`` holds the records. A list of
-    settings is a cluster: one worker each, behind the front ``policy`` (``ROUTES``)."""
+    settings is a cluster: one worker each, behind ``front``."""
     if isinstance(sim_settings, list):
-        vr = VirtualRun(profile, [resolve_settings(dict(s)) for s in sim_settings], policy=policy)
+        vr = VirtualRun(profile, [resolve_settings(dict(s)) for s in sim_settings], front=front)
     else:
         vr = VirtualRun(profile, resolve_settings(dict(sim_settings or {})))
     vr.run()

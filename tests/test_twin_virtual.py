@@ -15,7 +15,8 @@ from loadlab.cli import main as loadlab_main
 from loadlab.manifest import read_manifest
 from loadlab.profile import validate_profile
 from loadlab.records import RECORD_FIELDS, load_records
-from loadlab.virtual import run_virtual, simulate
+from loadlab.sim.settings import resolve_settings
+from loadlab.virtual import FrontSpec, VirtualRun, run_virtual, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -158,7 +159,9 @@ def test_a_cluster_of_four_workers_serves_four_times_one_worker_in_virtual_time(
                                  "requests": {"warmup": 8, "measured": measured}})  # fmt: skip
 
     single = simulate(profile(2.0, 200), {"max_running_requests": 64})
-    cluster = simulate(profile(8.0, 800), [{"max_running_requests": 64}] * 4, policy="round_robin")
+    cluster = simulate(
+        profile(8.0, 800), [{"max_running_requests": 64}] * 4, front=FrontSpec(policy="round_robin")
+    )
 
     def figures(vr, rate):
         m = [r for r in vr.records if r.phase == "measure"]
@@ -187,7 +190,7 @@ def test_cache_aware_routing_finds_the_shared_prefixes_round_robin_scatters():
     workers = [{"max_running_requests": 64}] * 4
 
     def figures(policy):
-        m = [r for r in simulate(p, workers, policy=policy).records if r.phase == "measure"]
+        m = [r for r in simulate(p, workers, front=FrontSpec(policy=policy)).records if r.phase == "measure"]
         return sum(r.cached_tokens for r in m) / sum(r.prompt_tokens for r in m), np.median(
             [r.ttft_ms for r in m]
         )
@@ -196,3 +199,29 @@ def test_cache_aware_routing_finds_the_shared_prefixes_round_robin_scatters():
     # Each of the 4 visits to a group: round robin lands on a cold worker for about half of them.
     assert hit_ca > hit_rr + 0.15, (hit_ca, hit_rr)
     assert ttft_ca < ttft_rr, (ttft_ca, ttft_rr)
+
+
+def test_omni_policies_in_virtual_time_queue_at_the_front_and_balance():
+    # omni with least_queue over two workers capped at 8 running: beyond 16 in flight requests wait in
+    # omni's queue (not a worker's), each worker runs at most its cap, and the load splits evenly.
+    p = validate_profile({"name": "vt", "seed": 2, "load": {"model": "closed", "concurrency": 40},
+                          "workload": {"kind": "random_prefix", "input_len": 256, "output_len": 32},
+                          "requests": {"warmup": 0, "measured": 400}})  # fmt: skip
+    peak = [0, 0]
+    vr = VirtualRun(p, [resolve_settings({"max_running_requests": 8})] * 2,
+                    front=FrontSpec(kind="omni", policy="least_queue", poll_interval_s=0.5))  # fmt: skip
+    original = vr._dispatch
+
+    def watch(t, index, phase, due, spec, worker):
+        original(t, index, phase, due, spec, worker)
+        i = vr.workers.index(worker)
+        peak[i] = max(peak[i], vr.front.in_flight[i])
+
+    vr._dispatch = watch
+    vr.run()
+    assert len(vr.records) == 400 and all(r.outcome == "ok" for r in vr.records)
+    assert peak == [8, 8]  # omni's limit per worker held, the other 24 users waited at the front
+    assert all(len(w.sched.waiting) == 0 for w in vr.workers)
+    assert abs(vr.workers[0].routed - vr.workers[1].routed) <= 0.1 * 400
+    with pytest.raises(ValueError, match="omni: no policy 'cache_aware'"):
+        simulate(p, [{}] * 2, front=FrontSpec(kind="omni", policy="cache_aware"))
