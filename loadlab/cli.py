@@ -39,6 +39,7 @@ from loadlab.swarm.options import (
     add_loadlab_arguments,
     overrides_from_options,
 )
+from loadlab.yamlconfig import ConfigError
 
 LOCUSTFILE = Path(__file__).parent / "swarm" / "locustfile.py"
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args.locust_args = locust_args
     try:
         return args.func(args)
-    except (ProfileError, ManifestError) as e:
+    except (ConfigError, ManifestError) as e:
         print(f"loadlab: {e}", file=sys.stderr)
         return exits.BAD_INPUT
 
@@ -103,7 +104,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="sweep directory (default: reports/sweep-<name>); the same one resumes")  # fmt: skip
     sweep.set_defaults(func=_cmd_sweep)
 
-    validate = sub.add_parser("validate", help="check profiles and sweep files without sending load")
+    cluster = sub.add_parser(
+        "cluster", help="start a cluster file's workers (twins) and front; serve until SIGTERM or Ctrl-C"
+    )
+    cluster.add_argument("cluster_file", help="cluster YAML, e.g. clusters/four-a100.yaml")
+    cluster.add_argument(
+        "--host", default="127.0.0.1", help="address the front listens on (default: 127.0.0.1)"
+    )
+    cluster.add_argument("--port", type=non_negative(int), default=30000,
+                         help="the front's port (0: a free one; default: 30000)")  # fmt: skip
+    cluster.set_defaults(func=_cmd_cluster)
+
+    validate = sub.add_parser("validate", help="check profiles, sweep and cluster files without sending load")
     validate.add_argument("profiles", nargs="+")
     validate.set_defaults(func=_cmd_validate)
 
@@ -252,6 +264,13 @@ def _cmd_sweep(args) -> int:
         return exits.TARGET
 
 
+def _cmd_cluster(args) -> int:
+    from loadlab.cluster.launch import run_cluster
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    return run_cluster(args.cluster_file, args.host, args.port)
+
+
 def _cmd_validate(args) -> int:
     from loadlab.experiment.spec import is_sweep_file, load_sweep
 
@@ -286,6 +305,9 @@ def sim_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         "virtual time instead and prints the run directory.",
     )
     settings.add_arguments(p, suppress_defaults)
+    p.add_argument("--instances", type=positive(int), default=argparse.SUPPRESS if suppress_defaults else 1,
+                   metavar="N", help="serve N twins with these settings in this process, each on its own "
+                   "port (port 0: free ports; else PORT, PORT+1, ...); one ready line each (default: 1)")  # fmt: skip
     v = p.add_argument_group("virtual time (loadlab sim --virtual PROFILE)")
     v.add_argument("--virtual", metavar="PROFILE", default=None,
                    help="run PROFILE against the twin on a simulated clock; writes a run directory")  # fmt: skip
@@ -314,6 +336,9 @@ def _cmd_sim(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # bad flags (2) or --help (0); argparse has printed the message
         return e.code if isinstance(e.code, int) else exits.BAD_INPUT
+    if args.virtual is not None and args.instances != 1:
+        print(f"{SIM_PROG}: error: --instances: only when serving (not with --virtual)", file=sys.stderr)
+        return exits.BAD_INPUT
     if args.virtual is None:
         given = [o for o in VIRTUAL_OPTIONS if getattr(args, o) is not None]
         if given:
@@ -337,7 +362,7 @@ def _cmd_sim(argv: list[str]) -> int:
         print(f"{SIM_PROG}: error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
     try:
-        serve(settings, tokenizer)
+        serve(settings, tokenizer, args.instances)
     except OSError as e:
         print(
             f"{SIM_PROG}: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr
