@@ -19,6 +19,7 @@ from pathlib import Path
 
 from loadlab import exits
 from loadlab.cliargs import OneLineParser, non_negative, positive
+from loadlab.cluster.config import is_cluster_file, load_cluster
 from loadlab.manifest import MANIFEST, ManifestError, read_manifest, write_manifest
 from loadlab.procs import free_port
 from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
@@ -116,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     cluster.set_defaults(func=_cmd_cluster)
 
     validate = sub.add_parser("validate", help="check profiles, sweep and cluster files without sending load")
-    validate.add_argument("profiles", nargs="+")
+    validate.add_argument("profiles", nargs="+", metavar="FILE", help="profiles, sweep files, cluster files")
     validate.set_defaults(func=_cmd_validate)
 
     sub.add_parser("sim", help="the simulated SGLang server (loadlab sim --help)")
@@ -130,6 +131,8 @@ def _cmd_run(args) -> int:
     profile = load_profile(args.profile, overrides_from_options(args, args.host))
     build_workload(profile)
     Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
+    if profile.target.cluster:
+        load_cluster(profile.target.cluster, as_target=True)  # a bad cluster file too
     if args.master_host is not None and args.workers is None:
         raise ProfileError("--master-host: only with --workers N (the workers to start)")
     if args.master_host is not None:
@@ -275,6 +278,12 @@ def _cmd_validate(args) -> int:
     from loadlab.experiment.spec import is_sweep_file, load_sweep
 
     for path in args.profiles:
+        if is_cluster_file(path):
+            c = load_cluster(path)
+            districts = ", ".join(f"{d.name}: {d.workers} x {d.gpu} {d.model}" for d in c.districts)
+            front = f"{c.front.kind} {c.front.policy}" if c.front.kind != "none" else "no front"
+            print(f"{path}: ok (cluster {c.name}: {c.total_workers} workers ({districts}), {front})")
+            continue
         if is_sweep_file(path):
             spec = load_sweep(path)
             n = len(spec.configurations())
@@ -284,7 +293,10 @@ def _cmd_validate(args) -> int:
             )
             continue
         profile = load_profile(path)
-        print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests)")
+        if profile.target.cluster:
+            load_cluster(profile.target.cluster, as_target=True)
+        on = f", on cluster {profile.target.cluster}" if profile.target.cluster else ""
+        print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests{on})")
     return exits.OK
 
 

@@ -255,6 +255,8 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
             )
         if kind == "random_prefix" and key in ("workload.input_len", "workload.output_len"):
             data["workload"].pop(key.split(".")[1] + "_range", None)  # a fixed length replaces a range
+        if key == "target.url" and value != EMBEDDED and isinstance(data.get("target"), dict):
+            data["target"].pop("cluster", None)  # a server given on the command line replaces the cluster
         _set_dotted(data, key, value, label)
     return validate_profile(data, label, lines)
 

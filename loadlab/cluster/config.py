@@ -161,8 +161,10 @@ def _check_sglang(settings: dict) -> str | None:
     return check_embedded_settings(settings)
 
 
-def load_cluster(path: str | Path) -> ClusterConfig:
-    """Reads and checks a cluster file. Relative paths in it (a tokenizer) are relative to the file."""
+def load_cluster(path: str | Path, as_target: bool = False) -> ClusterConfig:
+    """Reads and checks a cluster file. Relative paths in it (a tokenizer) are relative to the file.
+    ``as_target``: a run's target (a profile's ``target.cluster``), which needs one URL to aim at: a front,
+    or a single worker."""
     path = Path(path)
     label = str(path)
     data, lines = read_mapping(path, "cluster", ClusterError)
