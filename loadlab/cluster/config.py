@@ -191,6 +191,11 @@ def load_cluster(path: str | Path, as_target: bool = False) -> ClusterConfig:
             raise ClusterError(
                 f"{where(label, lines, [*loc, 'sglang'])}: districts.{i}.sglang: {e}"
             ) from None
+    if as_target and config.front.kind == "none" and config.total_workers > 1:
+        raise ClusterError(
+            f"{where(label, lines, ['front', 'kind'])}: front.kind: a run aims at one URL, and a cluster "
+            f"without a front has {config.total_workers} workers: give it a front (router or omni)"
+        )
     return config
 
 
