@@ -346,3 +346,64 @@ def test_profile_on_a_cluster_runs_end_to_end_through_the_router(tmp_path):
         )
     assert set(scraped) == {w.url for w in cluster.workers}
     assert all(n > 0 for n in scraped.values()), scraped
+
+
+FAKE_OMNI = '''
+"""A stand-in for loadlab.cluster.omni: parses its interface, records it, prints the ready line, waits."""
+import argparse, json, signal, socket, sys, time
+p = argparse.ArgumentParser()
+p.add_argument("--host"); p.add_argument("--port", type=int); p.add_argument("--policy")
+p.add_argument("--poll-interval-s", type=float); p.add_argument("--queue-size", type=int)
+p.add_argument("workers", nargs="+")
+args = p.parse_args()
+sock = socket.create_server((args.host, args.port))
+with open(sys.argv[0] + ".args.json", "w") as f:
+    json.dump(vars(args), f)
+print(f"loadlab-omni listening on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+while True:
+    time.sleep(1)
+'''
+
+
+def test_the_omni_front_is_started_with_its_interface(tmp_path, monkeypatch):
+    """The launcher's omni branch against a stand-in that speaks the omni front's command line."""
+    from loadlab.cluster import launch
+
+    (tmp_path / "fake_omni.py").write_text(FAKE_OMNI)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setattr(launch, "OMNI_MODULE", "fake_omni")
+    text = GOOD.replace(
+        "kind: router\n  policy: round_robin", "kind: omni\n  policy: least_kv\n  queue_size: 64"
+    )
+    cluster = launch.Cluster(load_cluster(write(tmp_path, text)), "127.0.0.1", 0)
+    try:
+        info = cluster.start()
+        pids = [p.pid for p in cluster.children]
+        args = json.loads((tmp_path / "fake_omni.py.args.json").read_text())
+    finally:
+        cluster.stop()
+    assert (
+        info["kind"] == "omni"
+        and info["policy"] == "least_kv"
+        and info["front"].startswith("http://127.0.0.1:")
+    )
+    assert args == {"host": "127.0.0.1", "port": 0, "policy": "least_kv", "poll_interval_s": 0.5,
+                    "queue_size": 64, "workers": [w["url"] for w in info["workers"]]}  # fmt: skip
+    assert len(pids) == 3 and _wait_gone(set(pids), 15) == set()
+
+
+def test_a_cluster_without_a_front(tmp_path):
+    cluster = LaunchedCluster(
+        write(tmp_path, "districts:\n  - name: solo\nfront:\n  kind: none\n", "solo.yaml")
+    )
+    try:
+        ready = cluster.ready
+        assert ready["front"] is None and ready["policy"] is None and ready["kind"] == "none"
+        (worker,) = ready["workers"]
+        assert _generate(worker["url"], "straight to the worker")["meta_info"]["completion_tokens"] == 4
+        cluster.proc.send_signal(signal.SIGINT)
+        assert cluster.proc.wait(30) == 0
+    finally:
+        cluster.kill()
