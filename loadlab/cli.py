@@ -19,6 +19,7 @@ from pathlib import Path
 
 from loadlab import exits
 from loadlab.cliargs import OneLineParser, non_negative, positive
+from loadlab.cluster.config import is_cluster_file, load_cluster
 from loadlab.manifest import MANIFEST, ManifestError, read_manifest, write_manifest
 from loadlab.procs import free_port
 from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
@@ -39,6 +40,7 @@ from loadlab.swarm.options import (
     add_loadlab_arguments,
     overrides_from_options,
 )
+from loadlab.yamlconfig import ConfigError
 
 LOCUSTFILE = Path(__file__).parent / "swarm" / "locustfile.py"
 
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args.locust_args = locust_args
     try:
         return args.func(args)
-    except (ProfileError, ManifestError) as e:
+    except (ConfigError, ManifestError) as e:
         print(f"loadlab: {e}", file=sys.stderr)
         return exits.BAD_INPUT
 
@@ -103,8 +105,19 @@ def _parser() -> argparse.ArgumentParser:
                        help="sweep directory (default: reports/sweep-<name>); the same one resumes")  # fmt: skip
     sweep.set_defaults(func=_cmd_sweep)
 
-    validate = sub.add_parser("validate", help="check profiles and sweep files without sending load")
-    validate.add_argument("profiles", nargs="+")
+    cluster = sub.add_parser(
+        "cluster", help="start a cluster file's workers (twins) and front; serve until SIGTERM or Ctrl-C"
+    )
+    cluster.add_argument("cluster_file", help="cluster YAML, e.g. clusters/four-a100.yaml")
+    cluster.add_argument(
+        "--host", default="127.0.0.1", help="address the front listens on (default: 127.0.0.1)"
+    )
+    cluster.add_argument("--port", type=non_negative(int), default=30000,
+                         help="the front's port (0: a free one; default: 30000)")  # fmt: skip
+    cluster.set_defaults(func=_cmd_cluster)
+
+    validate = sub.add_parser("validate", help="check profiles, sweep and cluster files without sending load")
+    validate.add_argument("profiles", nargs="+", metavar="FILE", help="profiles, sweep files, cluster files")
     validate.set_defaults(func=_cmd_validate)
 
     sub.add_parser("sim", help="the simulated SGLang server (loadlab sim --help)")
@@ -118,6 +131,8 @@ def _cmd_run(args) -> int:
     profile = load_profile(args.profile, overrides_from_options(args, args.host))
     build_workload(profile)
     Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
+    if profile.target.cluster:
+        load_cluster(profile.target.cluster, as_target=True)  # a bad cluster file too
     if args.master_host is not None and args.workers is None:
         raise ProfileError("--master-host: only with --workers N (the workers to start)")
     if args.master_host is not None:
@@ -252,10 +267,23 @@ def _cmd_sweep(args) -> int:
         return exits.TARGET
 
 
+def _cmd_cluster(args) -> int:
+    from loadlab.cluster.launch import run_cluster
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    return run_cluster(args.cluster_file, args.host, args.port)
+
+
 def _cmd_validate(args) -> int:
     from loadlab.experiment.spec import is_sweep_file, load_sweep
 
     for path in args.profiles:
+        if is_cluster_file(path):
+            c = load_cluster(path)
+            districts = ", ".join(f"{d.name}: {d.workers} x {d.gpu} {d.model}" for d in c.districts)
+            front = f"{c.front.kind} {c.front.policy}" if c.front.kind != "none" else "no front"
+            print(f"{path}: ok (cluster {c.name}: {c.total_workers} workers ({districts}), {front})")
+            continue
         if is_sweep_file(path):
             spec = load_sweep(path)
             n = len(spec.configurations())
@@ -265,7 +293,10 @@ def _cmd_validate(args) -> int:
             )
             continue
         profile = load_profile(path)
-        print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests)")
+        if profile.target.cluster:
+            load_cluster(profile.target.cluster, as_target=True)
+        on = f", on cluster {profile.target.cluster}" if profile.target.cluster else ""
+        print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests{on})")
     return exits.OK
 
 
@@ -286,6 +317,9 @@ def sim_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         "virtual time instead and prints the run directory.",
     )
     settings.add_arguments(p, suppress_defaults)
+    p.add_argument("--instances", type=positive(int), default=argparse.SUPPRESS if suppress_defaults else 1,
+                   metavar="N", help="serve N twins with these settings in this process, each on its own "
+                   "port (port 0: free ports; else PORT, PORT+1, ...); one ready line each (default: 1)")  # fmt: skip
     v = p.add_argument_group("virtual time (loadlab sim --virtual PROFILE)")
     v.add_argument("--virtual", metavar="PROFILE", default=None,
                    help="run PROFILE against the twin on a simulated clock; writes a run directory")  # fmt: skip
@@ -314,6 +348,9 @@ def _cmd_sim(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # bad flags (2) or --help (0); argparse has printed the message
         return e.code if isinstance(e.code, int) else exits.BAD_INPUT
+    if args.virtual is not None and args.instances != 1:
+        print(f"{SIM_PROG}: error: --instances: only when serving (not with --virtual)", file=sys.stderr)
+        return exits.BAD_INPUT
     if args.virtual is None:
         given = [o for o in VIRTUAL_OPTIONS if getattr(args, o) is not None]
         if given:
@@ -337,7 +374,7 @@ def _cmd_sim(argv: list[str]) -> int:
         print(f"{SIM_PROG}: error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
     try:
-        serve(settings, tokenizer)
+        serve(settings, tokenizer, args.instances)
     except OSError as e:
         print(
             f"{SIM_PROG}: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr

@@ -26,14 +26,41 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class ClusterWorkerInfo(_Model):
+    url: str = Field(description="the worker's base URL")
+    district: str = Field(description="its district")
+
+
+class ClusterDistrictInfo(_Model):
+    name: str = Field(description="the district's name")
+    workers: int = Field(description="how many workers it has")
+    settings: dict[str, Any] = Field(description="its workers' twin settings (SGLang names; gpu, model too)")
+
+
+class ClusterInfo(_Model):
+    file: str = Field(description="the cluster file (`target.cluster`)")
+    name: str = Field(description="the cluster's name")
+    front_kind: Literal["router", "omni", "none"] = Field(description="the front: router, omni or none")
+    policy: str | None = Field(description="the front's policy (null without a front)")
+    front_url: str | None = Field(description="the front's URL (null without a front)")
+    workers: list[ClusterWorkerInfo] = Field(description="every worker, in the file's order")
+    districts: list[ClusterDistrictInfo] = Field(description="the districts, in the file's order")
+    workers_per_process: int = Field(description="twins served by one process")
+
+
 class TargetInfo(_Model):
     url: str = Field(description="the target's base URL (`virtual` for a virtual-time run)")
-    embedded: bool = Field(False, description="the embedded twin was started for this run")
+    embedded: bool = Field(
+        False, description="the embedded twin (or a cluster of twins) was started for this run"
+    )
     virtual: bool = Field(False, description="the twin's scheduler on a virtual clock, no HTTP")
     embedded_settings: dict[str, Any] | None = Field(
         None, description="the profile's `target.embedded` settings (embedded and virtual runs)"
     )
     server_info: dict[str, Any] | None = Field(None, description="the target's `/server_info` at start")
+    cluster: ClusterInfo | None = Field(
+        None, description="the cluster started for the run (`target.cluster`)"
+    )
 
 
 class LoadDescription(_Model):

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -69,33 +70,61 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ReadyLineProcess:
     """A server child that prints one ready line, ``<ready_prefix>URL``, on stdout when it listens (the
-    twin and the scripted test server do). ``start`` returns the URL; the child's output is drained from
-    then on (stderr kept for diagnosis) so it never blocks on a full pipe."""
+    twin and the scripted test server do), or ``ready_lines`` of them (a process serving several twins).
+    ``start`` returns the (first) URL, ``urls`` has them all; the child's output is drained from then on
+    (stderr kept for diagnosis, and echoed to this process's stderr after ``echo_prefix`` if one is given)
+    so it never blocks on a full pipe. ``launch`` and ``wait_ready`` are ``start`` in two halves, to start
+    several children at once."""
 
-    def __init__(self, argv: list[str], ready_prefix: str, start_timeout_s: float = 30.0):
+    def __init__(self, argv: list[str], ready_prefix: str, start_timeout_s: float = 30.0,
+                 ready_lines: int = 1, echo_prefix: str | None = None):  # fmt: skip
         self.argv = argv
         self.ready_prefix = ready_prefix
         self.start_timeout_s = start_timeout_s
+        self.ready_lines = ready_lines
+        self.echo_prefix = echo_prefix
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+        self.urls: list[str] = []
         self.stderr_lines: list[str] = []
+        self._ready: list[str] = []
+        self._reader: threading.Thread | None = None
 
     def start(self) -> str:
         """The child's URL; raises ChildStartError (its last stderr line) when it does not become ready."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Starts the child; its ready lines are read in the background until ``wait_ready``."""
         self.proc = spawn(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-        ready: list[str] = []
-        reader = threading.Thread(target=lambda: ready.append(self.proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(self.start_timeout_s)
-        line = ready[0].strip() if ready else ""
-        if not line.startswith(self.ready_prefix):
+        self._ready = []
+        self._reader = threading.Thread(target=self._read_ready, daemon=True)
+        self._reader.start()
+
+    def _read_ready(self) -> None:
+        for _ in range(self.ready_lines):
+            line = self.proc.stdout.readline()
+            self._ready.append(line)
+            if not line.startswith(self.ready_prefix):
+                return
+
+    def wait_ready(self, timeout_s: float | None = None) -> str:
+        """Waits (``start_timeout_s`` unless given) for the ready lines of a ``launch``ed child."""
+        timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
+        self._reader.join(timeout_s)
+        lines = [line.strip() for line in self._ready]
+        if len(lines) < self.ready_lines or not all(line.startswith(self.ready_prefix) for line in lines):
             self.stop()
             err = (self.proc.stderr.read() or "").strip().splitlines() if self.proc.stderr else []
-            raise ChildStartError(err[-1] if err else f"no ready line within {self.start_timeout_s:g} s")
-        self.url = line[len(self.ready_prefix) :]
+            raise ChildStartError(err[-1] if err else f"no ready line within {timeout_s:g} s")
+        self.urls = [line[len(self.ready_prefix) :] for line in lines]
+        self.url = self.urls[0]
         threading.Thread(target=_drain, args=(self.proc.stdout, None), daemon=True).start()
-        threading.Thread(target=_drain, args=(self.proc.stderr, self.stderr_lines), daemon=True).start()
+        threading.Thread(
+            target=_drain, args=(self.proc.stderr, self.stderr_lines, self.echo_prefix), daemon=True
+        ).start()
         return self.url
 
     def stop(self) -> None:
@@ -106,10 +135,13 @@ class ChildStartError(Exception):
     """A child server did not become ready; the message says why in one line."""
 
 
-def _drain(stream, sink: list[str] | None) -> None:
+def _drain(stream, sink: list[str] | None, echo_prefix: str | None = None) -> None:
     try:
         for line in stream:
             if sink is not None:
                 sink.append(line)
+            if echo_prefix is not None:
+                sys.stderr.write(echo_prefix + line)
+                sys.stderr.flush()
     except (OSError, ValueError):
         pass

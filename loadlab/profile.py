@@ -6,21 +6,32 @@ wrong; callers turn it into exit status 2 before any load is sent.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from loadlab.sim.settings import check_embedded_settings
+from loadlab.yamlconfig import ConfigError, Lines, check_mapping, read_mapping, validation_message
 
 APIS = ("generate", "completions", "chat")
 API_PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 EMBEDDED = "embedded"
 
 
-class ProfileError(Exception):
+class ProfileError(ConfigError):
     """A user mistake in a profile or an override; its message is the one line to print."""
 
 
@@ -38,6 +49,9 @@ class TargetConfig(_Strict):
     # Settings for the embedded server, as SGLang launch flags without the dashes
     # (e.g. max_running_requests: 64); ignored when url is a real server.
     embedded: dict[str, Any] = Field(default_factory=dict)
+    # A cluster file (`loadlab cluster`, docs/cluster.md) started for the run in place of the one twin;
+    # the run aims at its front. Relative to the profile file; loaded and checked where it is started.
+    cluster: str | None = Field(None, description="cluster file started for the run (url: embedded)")
     api: Literal["generate", "completions", "chat"] = "generate"
     model: str | None = Field(None, description="model name for the OpenAI APIs; default: the server's")
     tokenizer: str | None = Field(None, description="local tokenizer.json for exact text prompt lengths")
@@ -48,6 +62,19 @@ class TargetConfig(_Strict):
     metrics_urls: list[str] | None = Field(
         None, description="servers whose /metrics are scraped; default: url"
     )
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster_alone(cls, cluster: str | None, info: ValidationInfo) -> str | None:
+        if cluster is None:
+            return None
+        if not cluster:
+            raise ValueError("the path of a cluster file, e.g. ../clusters/four-a100.yaml")
+        if info.data.get("url", EMBEDDED) != EMBEDDED:
+            raise ValueError("only with url: embedded (the run starts the cluster and aims at its front)")
+        if info.data.get("embedded"):
+            raise ValueError("the cluster file sets its workers' settings: drop target.embedded")
+        return cluster
 
     @model_validator(mode="after")
     def _url_shape(self):
@@ -217,25 +244,11 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
     """Loads and validates a profile file, applying dotted-key overrides ({"load.concurrency": 4})."""
     path = Path(path)
     label = str(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ProfileError(f"{label}: profile file not found") from None
-    except OSError as e:
-        raise ProfileError(f"{label}: cannot read profile: {e.strerror}") from None
-    try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ProfileError(f"{label}{where}: not valid YAML: {problem}") from None
-    if data is None:
-        raise ProfileError(f"{label}: profile is empty")
-    if not isinstance(data, dict):
-        raise ProfileError(f"{label}:1: a profile must be a mapping of keys, got {type(data).__name__}")
-    lines = _key_lines(root, label=label)
+    data, lines = read_mapping(path, "profile", ProfileError)
+    target = data.get("target")
+    if isinstance(target, dict) and isinstance(target.get("cluster"), str):
+        # The file's cluster path is relative to the profile file (an override's, to the working directory).
+        target["cluster"] = os.path.abspath(path.parent / target["cluster"])
     kind = data.get("workload", {}).get("kind") if isinstance(data.get("workload"), dict) else None
     for key, value in (overrides or {}).items():
         if kind == "shared_prefix" and key == "workload.input_len":
@@ -245,93 +258,25 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
             )
         if kind == "random_prefix" and key in ("workload.input_len", "workload.output_len"):
             data["workload"].pop(key.split(".")[1] + "_range", None)  # a fixed length replaces a range
+        if key == "target.url" and value != EMBEDDED and isinstance(data.get("target"), dict):
+            data["target"].pop("cluster", None)  # a server given on the command line replaces the cluster
         _set_dotted(data, key, value, label)
     return validate_profile(data, label, lines)
 
 
-def validate_profile(data: dict[str, Any], label: str = "<profile>", lines=None) -> Profile:
+WORKLOAD_KINDS = ("rag", "shared_prefix", "random_prefix")
+
+
+def validate_profile(data: dict[str, Any], label: str = "<profile>", lines: Lines | None = None) -> Profile:
     lines = lines or {}
     try:
         profile = Profile.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(p) for p in err["loc"] if not _is_union_tag(p, data)]
-        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
-            loc.append("kind")
-        key = ".".join(loc) or "(top level)"
-        line = _line_for(lines, loc)
-        where = f"{label}:{line}" if line else label
-        raise ProfileError(f"{where}: {key}: {_describe(err)}") from None
-    _check_embedded(profile, label, lines)
+        raise ProfileError(validation_message(e, label, lines, WORKLOAD_KINDS)) from None
+    if profile.target.embedded:
+        embedded = profile.target.embedded
+        check_mapping(embedded, check_embedded_settings, ["target", "embedded"], label, lines, ProfileError)
     return profile
-
-
-def _check_embedded(profile: Profile, label: str, lines) -> None:
-    if not profile.target.embedded:
-        return
-    # Check one setting at a time so the error can point at the offending key's line.
-    for key, value in profile.target.embedded.items():
-        problem = check_embedded_settings({key: value})
-        if problem:
-            line = _line_for(lines, ["target", "embedded", str(key)])
-            where = f"{label}:{line}" if line else label
-            raise ProfileError(f"{where}: target.embedded.{key}: {problem.removeprefix(f'{key}: ')}")
-    problem = check_embedded_settings(profile.target.embedded)  # settings that conflict with each other
-    if problem:
-        line = _line_for(lines, ["target", "embedded"])
-        raise ProfileError(f"{label}:{line}: target.embedded: {problem}" if line else f"{label}: {problem}")
-
-
-def _is_union_tag(part, data) -> bool:
-    # pydantic puts the discriminator value (e.g. 'rag') into the error location; drop it.
-    return part in ("rag", "shared_prefix", "random_prefix")
-
-
-def _describe(err: dict[str, Any]) -> str:
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        return "unknown key"
-    if kind == "missing":
-        return "required key is missing"
-    if kind == "union_tag_invalid" or kind == "union_tag_not_found":
-        return "kind must be one of rag, shared_prefix, random_prefix"
-    msg = err["msg"]
-    msg = msg.removeprefix("Value error, ")
-    given = err.get("input")
-    if kind not in ("value_error",) and not isinstance(given, dict | list):
-        msg = f"{msg} (got {given!r})"
-    return msg
-
-
-def _key_lines(node, prefix=(), label="<profile>") -> dict[tuple[str, ...], int]:
-    """Maps each key path in a composed YAML tree to its 1-based line number; a key given twice in one
-    mapping is an error (YAML loaders silently keep the last one)."""
-    out: dict[tuple[str, ...], int] = {}
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            path = prefix + (str(key_node.value),)
-            if path in out:
-                line = key_node.start_mark.line + 1
-                raise ProfileError(
-                    f"{label}:{line}: {'.'.join(path)}: duplicate key (first at line {out[path]})"
-                )
-            out[path] = key_node.start_mark.line + 1
-            out.update(_key_lines(value_node, path, label))
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            path = prefix + (str(i),)
-            out[path] = item.start_mark.line + 1
-            out.update(_key_lines(item, path, label))
-    return out
-
-
-def _line_for(lines, loc) -> int | None:
-    loc = tuple(loc)
-    while loc:
-        if loc in lines:
-            return lines[loc]
-        loc = loc[:-1]
-    return None
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any, label: str) -> None:

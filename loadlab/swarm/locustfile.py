@@ -29,6 +29,7 @@ from loadlab.swarm.users import SGLangUser
 from loadlab.swarm.worker import WorkerAgent
 from loadlab.target.probe import TargetError
 from loadlab.target.scraper import Scraper
+from loadlab.yamlconfig import ConfigError
 
 __all__ = ["SGLangUser"]
 
@@ -62,7 +63,7 @@ def _on_init(environment, runner, **_kw):
         return
     try:
         context.session = Session(environment)
-    except ProfileError as e:
+    except ConfigError as e:  # the profile, or the cluster file it names
         _fail(str(e), exits.BAD_INPUT)
     except TargetError as e:
         _fail(str(e), exits.TARGET)
@@ -102,7 +103,7 @@ def _on_test_start(environment, **_kw):
     context.run = run
     target = session.profile.target
     run.scraper = Scraper(  # its own process: parsing costs CPU
-        target.metrics_urls or [environment.host], run.dir, target.metrics_interval_s
+        session.metrics_urls(environment.host), run.dir, target.metrics_interval_s
     ).start()
     _freeze_heap()
     run.client_limits = (opts.client_limit_ms, opts.client_limit_cpu)

@@ -1,5 +1,6 @@
 """What a Locust process prepares at init for every run it owns: the profile (with the command line's
-overrides), the workload, the renderer and the target (started when it is the embedded twin, probed)."""
+overrides), the workload, the renderer and the target (started when it is the embedded twin or a cluster
+of twins, probed)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from loadlab.manifest import TargetInfo
 from loadlab.profile import ProfileError, load_profile
 from loadlab.swarm.options import OPEN_LOOP_MAX_USERS, overrides_from_options
+from loadlab.target.cluster import EmbeddedCluster
 from loadlab.target.embedded import EmbeddedServer
 from loadlab.target.probe import TargetError, probe
 from loadlab.workload import build_workload
@@ -28,10 +30,13 @@ class Session:
         self.profile = load_profile(self.profile_path, overrides_from_options(opts, environment.host))
         self.workload = build_workload(self.profile)
         self.renderer = Renderer(self.profile.target.tokenizer)  # a bad tokenizer file fails here
-        self.embedded: EmbeddedServer | None = None
+        self.embedded: EmbeddedServer | EmbeddedCluster | None = None
         target = self.profile.target
         if target.url == "embedded":
-            self.embedded = EmbeddedServer(target.embedded)
+            # A cluster file that does not load is bad input, like the profile (a ClusterError).
+            self.embedded = (
+                EmbeddedCluster(target.cluster) if target.cluster else EmbeddedServer(target.embedded)
+            )
             environment.host = self.embedded.start()
         else:
             environment.host = target.url
@@ -53,12 +58,25 @@ class Session:
         wait = self.environment.parsed_options.target_wait
         found = probe(url, need_model=target.api != "generate" and not target.model, wait_s=wait)
         self.model = target.model or found["model"]
+        ours = self.embedded is not None and url == self.embedded.url
+        cluster = self.embedded if ours and isinstance(self.embedded, EmbeddedCluster) else None
         self.target_info = TargetInfo(
             url=url,
-            embedded=self.embedded is not None and url == self.embedded.url,
-            embedded_settings=target.embedded if self.embedded else None,
+            embedded=ours,
+            embedded_settings=target.embedded if self.embedded and not cluster else None,
             server_info=found["server_info"],
+            cluster=cluster.info() if cluster else None,
         )
+
+    def metrics_urls(self, url: str) -> list[str]:
+        """The servers the scraper reads: the profile's metrics_urls, else a cluster's workers (when the run
+        aims at its front), else the target."""
+        target = self.profile.target
+        if target.metrics_urls:
+            return list(target.metrics_urls)
+        if isinstance(self.embedded, EmbeddedCluster) and url == self.embedded.url:
+            return self.embedded.worker_urls
+        return [url]
 
     def stop_embedded(self) -> None:
         if self.embedded is not None:

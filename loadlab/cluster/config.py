@@ -1,0 +1,209 @@
+"""The cluster file: SGLang workers (the twin) grouped in districts, behind one front. ``ClusterConfig``,
+read and checked in one place (``load_cluster``); every mistake is one ``ClusterError`` line naming the
+file, the line and the key. ``docs/cluster.md`` documents the format.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from loadlab.sim.cost import GPUS, MODELS
+from loadlab.sim.settings import BY_NAME, check_embedded_settings, resolve_settings
+from loadlab.yamlconfig import ConfigError, check_mapping, read_mapping, validation_message, where
+
+FrontKind = Literal["router", "omni", "none"]
+# The policies each front offers (the router's are sglang-router's `--policy` names).
+POLICIES: dict[str, tuple[str, ...]] = {
+    "router": ("cache_aware", "round_robin", "power_of_two"),
+    "omni": ("round_robin", "power_of_two", "least_queue", "least_kv", "prefix"),
+    "none": (),
+}
+DEFAULT_POLICY = {"router": "cache_aware", "omni": "least_queue"}  # the router's own default; omni's
+DEFAULT_POLL_INTERVAL_S = 0.5
+DEFAULT_QUEUE_SIZE = 1024
+# Twins served by one process (one event loop); measured in bench/cluster_realtime.py (docs/cluster.md).
+DEFAULT_WORKERS_PER_PROCESS = 1
+# Set by the district itself (gpu, model) or by the launcher (where a worker listens, how it logs).
+NOT_IN_SGLANG = ("gpu", "model")
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
+class ClusterError(ConfigError):
+    """A bad cluster file: one line naming the file, the line and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class District(_Strict):
+    """Workers of one kind: the same GPU, model and SGLang settings (later: the SLO class they serve)."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="the district's name, unique in the cluster")
+    workers: StrictInt = Field(1, gt=0, description="how many workers (twins) it has")
+    gpu: Literal[tuple(GPUS)] = Field("a100-80gb", description="the twin's GPU preset")  # type: ignore[valid-type]
+    model: Literal[tuple(MODELS)] = Field("llama-3.1-8b", description="the twin's model preset")  # type: ignore[valid-type]
+    sglang: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the workers' settings under SGLang's launch-flag names (e.g. max_running_requests: "
+        "64), as a profile's target.embedded; enable_metrics is on unless set false",
+    )
+
+
+class Front(_Strict):
+    """What the clients talk to: sglang-router, loadlab's omni front, or nothing (the workers directly)."""
+
+    kind: FrontKind = Field("router", description="router (sglang-router), omni (loadlab.cluster.omni), none")
+    policy: str | None = Field(
+        None,
+        description="how the front picks a worker; router: cache_aware (default), round_robin, "
+        "power_of_two; omni: round_robin, power_of_two, least_queue (default), least_kv, prefix",
+    )
+    poll_interval_s: float | None = Field(
+        None,
+        gt=0,
+        description=f"omni: how often it polls each worker's load (default {DEFAULT_POLL_INTERVAL_S})",
+    )
+    queue_size: StrictInt | None = Field(
+        None, gt=0, description=f"omni: the most requests its queue holds (default {DEFAULT_QUEUE_SIZE})"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_of_the_kind(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kind = data.get("kind", "router")
+        if kind == "omni":
+            defaults = {"policy": DEFAULT_POLICY["omni"], "poll_interval_s": DEFAULT_POLL_INTERVAL_S,
+                        "queue_size": DEFAULT_QUEUE_SIZE}  # fmt: skip
+            return {**defaults, **{k: v for k, v in data.items() if v is not None}}
+        if kind == "router" and data.get("policy") is None:
+            return {**data, "policy": DEFAULT_POLICY["router"]}
+        return data
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_of_the_kind(cls, policy: str | None, info: ValidationInfo) -> str | None:
+        kind = info.data.get("kind")
+        if kind is None:  # the kind itself is wrong; that error is reported
+            return policy
+        if kind == "none":
+            if policy is not None:
+                raise ValueError("a cluster without a front (kind: none) has no policy")
+            return None
+        if policy not in POLICIES[kind]:
+            raise ValueError(f"{kind}: expected one of {', '.join(POLICIES[kind])}, got {policy!r}")
+        return policy
+
+    @field_validator("poll_interval_s", "queue_size")
+    @classmethod
+    def _omni_only(cls, value: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("kind")
+        if value is not None and kind is not None and kind != "omni":
+            raise ValueError(f"only for kind: omni (this front is {kind})")
+        return value
+
+
+class ClusterConfig(_Strict):
+    """A cluster file as loaded and checked by ``load_cluster``."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="the cluster's name (default: the file's stem)")
+    districts: list[District] = Field(min_length=1, description="the workers, by district, in order")
+    front: Front = Field(default_factory=Front, description="what the clients talk to")
+    workers_per_process: StrictInt = Field(
+        DEFAULT_WORKERS_PER_PROCESS,
+        gt=0,
+        description="twins served by one process, each on its own port (a process serves one district)",
+    )
+
+    @property
+    def total_workers(self) -> int:
+        return sum(d.workers for d in self.districts)
+
+    def processes(self) -> list[tuple[District, int]]:
+        """The worker processes to start: (district, twins in it), districts in order."""
+        out = []
+        for d in self.districts:
+            left = d.workers
+            while left:
+                n = min(left, self.workers_per_process)
+                out.append((d, n))
+                left -= n
+        return out
+
+
+def worker_settings(district: District) -> dict[str, Any]:
+    """A district's workers' twin settings (``target.embedded``-style): its gpu and model, metrics on
+    unless its sglang settings turn them off, then its sglang settings."""
+    return {"gpu": district.gpu, "model": district.model, "enable_metrics": True, **district.sglang}
+
+
+def _check_sglang(settings: dict) -> str | None:
+    for key in settings:
+        if key in NOT_IN_SGLANG:
+            return f"{key}: a key of the district (next to sglang), not an sglang setting"
+        if key in BY_NAME and not BY_NAME[key].embedded:
+            return f"{key}: set by loadlab cluster for each worker, not in a cluster file"
+    return check_embedded_settings(settings)
+
+
+def load_cluster(path: str | Path, as_target: bool = False) -> ClusterConfig:
+    """Reads and checks a cluster file. Relative paths in it (a tokenizer) are relative to the file.
+    ``as_target``: a run's target (a profile's ``target.cluster``), which needs one URL to aim at: a front,
+    or a single worker."""
+    path = Path(path)
+    label = str(path)
+    data, lines = read_mapping(path, "cluster", ClusterError)
+    data.setdefault("name", path.stem)
+    for d in data.get("districts") or []:
+        sglang = d.get("sglang") if isinstance(d, dict) else None
+        if isinstance(sglang, dict) and isinstance(sglang.get("tokenizer"), str):
+            sglang["tokenizer"] = os.path.abspath(path.parent / sglang["tokenizer"])
+    try:
+        config = ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        raise ClusterError(validation_message(e, label, lines)) from None
+    seen: dict[str, int] = {}
+    for i, d in enumerate(config.districts):
+        loc = ["districts", str(i)]
+        if d.name in seen:
+            raise ClusterError(f"{where(label, lines, [*loc, 'name'])}: districts.{i}.name: {d.name!r} "
+                               f"is also district {seen[d.name]}'s name")  # fmt: skip
+        seen[d.name] = i
+        check_mapping(dict(d.sglang), _check_sglang, [*loc, "sglang"], label, lines, ClusterError)
+        try:
+            resolve_settings(worker_settings(d))
+        except ValueError as e:  # settings that cannot work together (no room left for the KV cache)
+            raise ClusterError(
+                f"{where(label, lines, [*loc, 'sglang'])}: districts.{i}.sglang: {e}"
+            ) from None
+    if as_target and config.front.kind == "none" and config.total_workers > 1:
+        raise ClusterError(
+            f"{where(label, lines, ['front', 'kind'])}: front.kind: a run aims at one URL, and a cluster "
+            f"without a front has {config.total_workers} workers: give it a front (router or omni)"
+        )
+    return config
+
+
+def is_cluster_file(path: str | Path) -> bool:
+    """A cluster file has districts; a profile and a sweep file do not (an unreadable file is left to the
+    profile loader)."""
+    try:
+        data, _ = read_mapping(path, "cluster", ClusterError)
+    except ClusterError:
+        return False
+    return "districts" in data

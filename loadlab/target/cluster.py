@@ -1,0 +1,59 @@
+"""A cluster as a run's target: ``loadlab cluster FILE`` as a child process (a profile's ``target.cluster``),
+started like the embedded twin; the run aims at its front."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadlab.cluster import READY_PREFIX
+from loadlab.cluster.config import load_cluster, worker_settings
+from loadlab.manifest import ClusterDistrictInfo, ClusterInfo, ClusterWorkerInfo
+from loadlab.procs import ChildStartError, ReadyLineProcess
+from loadlab.target.probe import TargetError
+
+START_TIMEOUT_S = 120.0  # every worker, then the front
+
+
+class EmbeddedCluster(ReadyLineProcess):
+    """``loadlab cluster FILE --port 0``; ``start`` returns the URL a run aims at (the front, or the one
+    worker of a cluster without a front); ``workers`` and ``info()`` say what was started."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        self.config = load_cluster(path, as_target=True)
+        argv = [sys.executable, "-m", "loadlab", "cluster", self.path, "--host", "127.0.0.1", "--port", "0"]
+        super().__init__(argv, READY_PREFIX, START_TIMEOUT_S)
+        self.ready: dict[str, Any] = {}
+
+    def start(self) -> str:
+        try:
+            super().start()
+        except ChildStartError as e:
+            raise TargetError(f"cluster {self.path} did not start: {e}") from None
+        self.ready = json.loads(self.url)
+        self.url = self.ready["front"] or self.ready["workers"][0]["url"]
+        return self.url
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [w["url"] for w in self.ready.get("workers", [])]
+
+    def info(self) -> ClusterInfo:
+        """What the manifest records of the cluster."""
+        front = self.config.front
+        return ClusterInfo(
+            file=self.path,
+            name=self.config.name,
+            front_kind=front.kind,
+            policy=front.policy,
+            front_url=self.ready.get("front"),
+            workers=[ClusterWorkerInfo(**w) for w in self.ready.get("workers", [])],
+            districts=[
+                ClusterDistrictInfo(name=d.name, workers=d.workers, settings=worker_settings(d))
+                for d in self.config.districts
+            ],
+            workers_per_process=self.config.workers_per_process,
+        )
