@@ -303,7 +303,16 @@ def _cmd_validate(args) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # loadlab sim: the twin, as a server or in virtual time
 SIM_PROG = "loadlab sim"
-VIRTUAL_OPTIONS = ("out", "run_name", "concurrency", "rate", "arrival", "num_requests", "warmup_requests")
+VIRTUAL_OPTIONS = (
+    "out",
+    "run_name",
+    "concurrency",
+    "rate",
+    "arrival",
+    "num_requests",
+    "warmup_requests",
+    "cluster",
+)
 
 
 def sim_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
@@ -337,6 +346,9 @@ def sim_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     v.add_argument(
         "--arrival", choices=("poisson", "constant"), default=None, help="open-loop arrival process"
     )
+    v.add_argument("--cluster", metavar="CLUSTER", default=None,
+                   help="a cluster file: its workers behind its front, on the virtual clock (default: the "
+                   "profile's target.cluster; the flags above then apply to every worker)")  # fmt: skip
     v.add_argument("--num-requests", type=positive(int), default=None, help="measured requests")
     v.add_argument("--warmup-requests", type=non_negative(int), default=None, help="warm-up requests")
     return p
@@ -405,14 +417,15 @@ def _cmd_sim_virtual(args: argparse.Namespace, argv: list[str]) -> int:
     except ProfileError as e:
         print(f"{SIM_PROG}: error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
-    settings = dict(profile.target.embedded)
+    cluster = args.cluster or profile.target.cluster
+    settings = {} if cluster else dict(profile.target.embedded)
     settings.update({k: v for k, v in explicit.items() if k in BY_NAME and k not in PROCESS_SETTINGS})
     try:
         run_dir = run_virtual(
             profile, settings, args.out or "reports", args.run_name, profile_path=args.virtual,
-            command=["loadlab", "sim", *argv],
+            command=["loadlab", "sim", *argv], cluster=cluster,
         )  # fmt: skip
-    except (ValueError, ProfileError) as e:
+    except (ValueError, ConfigError) as e:
         print(f"{SIM_PROG}: error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
     m = read_manifest(run_dir)

@@ -37,10 +37,21 @@ from pathlib import Path
 from typing import Any
 
 from loadlab.analysis.report import write_report
+from loadlab.cluster.config import load_cluster, worker_settings
 from loadlab.cluster.policies import POLICIES as OMNI_POLICIES
 from loadlab.cluster.policies import Snapshot, WorkerLoad, choose
 from loadlab.load import Tickets, arrivals_for, describe_load
-from loadlab.manifest import Counts, Manifest, TargetInfo, VirtualStats, software_versions, write_manifest
+from loadlab.manifest import (
+    ClusterDistrictInfo,
+    ClusterInfo,
+    ClusterWorkerInfo,
+    Counts,
+    Manifest,
+    TargetInfo,
+    VirtualStats,
+    software_versions,
+    write_manifest,
+)
 from loadlab.profile import Profile
 from loadlab.records import (
     HTTP_ERROR,
@@ -137,12 +148,12 @@ class VirtualRun:
         run_id: str = "virtual",
         epoch: float = 0.0,
         front: FrontSpec | None = None,
+        names: list[str] | None = None,
     ):
         self.profile = profile
         many = settings if isinstance(settings, list) else [settings]
-        self.workers = [
-            _Worker(f"virtual-{i}" if len(many) > 1 else WORKER_ID, s) for i, s in enumerate(many)
-        ]
+        names = names or ([f"virtual-{i}" for i in range(len(many))] if len(many) > 1 else [WORKER_ID])
+        self.workers = [_Worker(name, s) for name, s in zip(names, many, strict=True)]
         self.settings = many[0]
         self.front = make_front(front or FrontSpec(), self.workers, profile.seed)
         self._front_queue: deque[tuple[int, str, float, float | None]] = deque()  # (index, phase, t, due)
@@ -547,13 +558,20 @@ def run_virtual(
     *,
     profile_path: str | None = None,
     command: list[str] | None = None,
+    cluster: str | Path | None = None,
 ) -> Path:
     """Runs ``profile`` against the twin in virtual time and writes a complete run directory; returns it.
 
     ``sim_settings`` are server settings under SGLang's names (``max_running_requests``, ``gpu``, ...),
-    as in a profile's ``target.embedded``; unset ones take the server's defaults."""
+    as in a profile's ``target.embedded``; unset ones take the server's defaults. ``cluster``: a cluster
+    file instead (its districts' workers behind its front; ``sim_settings`` then apply to every worker)."""
     wall0 = time.perf_counter()
-    settings = resolve_settings(dict(sim_settings or {}))
+    config = load_cluster(cluster) if cluster is not None else None
+    if config is None:
+        names, many, front, cluster_info = None, [resolve_settings(dict(sim_settings or {}))], None, None
+    else:
+        names, many, front, cluster_info = _cluster_workers(config, str(cluster), sim_settings or {})
+    settings = many[0]
     out_root = Path(out_root)
     out_root.mkdir(parents=True, exist_ok=True)
     run_dir = out_root / unique_run_name(out_root, run_name or default_run_name(profile.name, "-virtual"))
@@ -570,6 +588,7 @@ def run_virtual(
             virtual=True,
             embedded_settings=dict(sim_settings or {}),
             server_info=dict(shown, version=f"{SIM_VERSION} (virtual time)", loadlab_sim=True),
+            cluster=cluster_info,
         ),
         model=settings.served_model_name,
         # One "user" per request in flight: the cap, or every request when there is none.
@@ -582,7 +601,7 @@ def run_virtual(
         command=command if command is not None else list(sys.argv),
     )
     write_manifest(run_dir, manifest)
-    vr = VirtualRun(profile, settings, run_dir.name, float(epoch))
+    vr = VirtualRun(profile, many, run_dir.name, float(epoch), front=front, names=names)
     vr.run()
     write_records(run_dir, vr.records)
     t = vr.tickets
@@ -596,6 +615,27 @@ def run_virtual(
     write_manifest(run_dir, manifest)
     write_report(run_dir)
     return run_dir
+
+
+def _cluster_workers(config, path: str, overrides: dict[str, Any]):
+    """A cluster file's workers for the virtual clock: names ``district-i``, resolved settings (the
+    district's, with ``overrides`` on top), the front, and what the manifest records of the cluster."""
+    names, many, workers, districts = [], [], [], []
+    for d in config.districts:
+        district_settings = {**worker_settings(d), **overrides}
+        districts.append(ClusterDistrictInfo(name=d.name, workers=d.workers, settings=district_settings))
+        for i in range(d.workers):
+            names.append(f"{d.name}-{i}")
+            many.append(resolve_settings(district_settings))
+            workers.append(ClusterWorkerInfo(url=names[-1], district=d.name))
+    f = config.front
+    if f.kind == "none" and len(many) > 1:
+        raise ValueError(f"{path}: front kind none: a virtual run needs a front for {len(many)} workers")
+    front = FrontSpec(kind="omni" if f.kind == "omni" else "router", policy=f.policy or "round_robin",
+                      poll_interval_s=f.poll_interval_s or 0.5, queue_size=f.queue_size or 1024)  # fmt: skip
+    info = ClusterInfo(file=path, name=config.name, front_kind=f.kind, policy=f.policy, front_url=None,
+                       workers=workers, districts=districts, workers_per_process=config.workers_per_process)  # fmt: skip
+    return names, many, front, info
 
 
 __all__ = ["run_virtual", "simulate"]
