@@ -400,3 +400,21 @@ def test_a_cluster_without_a_front(tmp_path):
         assert cluster.proc.wait(30) == 0
     finally:
         cluster.kill()
+
+
+def test_power_of_two_through_the_real_router_polls_the_workers_get_load(tmp_path):
+    # sglang-router's power_of_two takes its load signal from each worker's GET /get_load (every 5 s);
+    # the twins count the polls they answer (/server_info loadlab_get_load_polls).
+    cluster = LaunchedCluster(write(tmp_path, GOOD.replace("policy: round_robin", "policy: power_of_two")))
+    try:
+        urls = [w["url"] for w in cluster.ready["workers"]]
+        deadline, polls = time.monotonic() + 30, [0] * len(urls)
+        while min(polls) < 1 and time.monotonic() < deadline:
+            time.sleep(1)
+            for i, url in enumerate(urls):
+                with urllib.request.urlopen(url + "/server_info", timeout=10) as resp:
+                    polls[i] = json.load(resp)["loadlab_get_load_polls"]
+        assert min(polls) >= 1, (polls, "".join(cluster.stderr)[-2000:])
+        assert _generate(cluster.ready["front"], "hello power of two")["meta_info"]["completion_tokens"] == 4
+    finally:
+        cluster.kill()

@@ -258,6 +258,7 @@ class SimServer:
         self.context_length: int = settings.context_length
         self.cache_report: bool = settings.enable_cache_report
         self.enable_metrics: bool = settings.enable_metrics
+        self.get_load_polls = 0
         self.metrics = _Metrics(engine, self.model_name) if self.enable_metrics else None
         self.worker_id: str = settings.worker_id or base_url(settings.host, settings.port)
 
@@ -711,6 +712,7 @@ class SimServer:
             version=SIM_VERSION,
             loadlab_sim=True,
             loadlab_sim_timing=self.engine.timing_stats(),
+            loadlab_get_load_polls=self.get_load_polls,
             internal_states=[
                 {
                     "last_gen_throughput": st["gen_throughput"],
@@ -756,6 +758,7 @@ class SimServer:
         """SGLang's ``/get_load``, one entry per DP rank (the twin has one): ``num_reqs`` running + waiting,
         ``num_waiting_reqs`` waiting, ``num_tokens`` KV tokens in use + the waiting requests' tokens. What
         sglang-router's power_of_two policy polls."""
+        self.get_load_polls += 1  # /server_info shows it: a front that routes by load polls here
         return _json([{"dp_rank": 0, **self.engine.load()}])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
