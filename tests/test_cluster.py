@@ -418,3 +418,27 @@ def test_power_of_two_through_the_real_router_polls_the_workers_get_load(tmp_pat
         assert _generate(cluster.ready["front"], "hello power of two")["meta_info"]["completion_tokens"] == 4
     finally:
         cluster.kill()
+
+
+def test_a_profile_on_a_cluster_in_virtual_time(tmp_path):
+    # loadlab sim --virtual simulates the profile's target.cluster: the districts' workers behind its front
+    # on the virtual clock, attributed per worker like a real run.
+    (tmp_path / "clusters").mkdir()
+    write(tmp_path / "clusters", GOOD.replace("workers: 2", "workers: 3"), "two.yaml")
+    profile = write(tmp_path, PROFILE, "p.yaml")
+    proc = subprocess.run([*LOADLAB, "sim", "--virtual", str(profile), "--out", str(tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = Path(proc.stdout.strip().splitlines()[-1])
+    from loadlab.analysis.summary import Summary
+    from loadlab.manifest import read_manifest
+
+    manifest, summary = read_manifest(run_dir), Summary.read(run_dir)
+    assert [w.url for w in manifest.target.cluster.workers] == ["online-0", "online-1", "online-2"]
+    assert manifest.virtual_stats.workers == 3 and manifest.target.cluster.policy == "round_robin"
+    # Round robin over 44 requests: 15/15/14, and each worker's requests accounted for.
+    assert sorted(w.measured_requests for w in summary.workers) == [13, 13, 14]
+    assert sum(w.completed for w in summary.workers) == summary.completed == 40
+    bad = subprocess.run([*LOADLAB, "sim", "--virtual", str(profile), "--cluster", str(tmp_path / "none.yaml")],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
