@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import psutil
 from common import cpu_seconds, machine_line  # noqa: E402
 from twin_realtime import Counter, request_bytes, user  # noqa: E402
 
@@ -71,19 +72,9 @@ class Cluster:
 
     def pids(self) -> list[int]:
         """The launcher and its descendants (workers and front)."""
-        parents = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    pass
-        found, frontier = {self.proc.pid}, {self.proc.pid}
-        while frontier:
-            frontier = {p for p, pp in parents.items() if pp in frontier} - found
-            found |= frontier
-        return sorted(found)
+        return sorted(
+            [self.proc.pid, *(p.pid for p in psutil.Process(self.proc.pid).children(recursive=True))]
+        )
 
     def stop(self) -> None:
         self.proc.terminate()

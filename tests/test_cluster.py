@@ -4,7 +4,6 @@ sglang-router (each worker serves, nothing is left behind), and a profile's `tar
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from loadlab.cluster import READY_PREFIX
@@ -201,20 +201,8 @@ def test_validate_reads_cluster_files_and_a_profiles_cluster(tmp_path):
 
 
 def _children(pid: int) -> set[int]:
-    """Every descendant of ``pid`` (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
+    """Every descendant of ``pid``."""
+    return {p.pid for p in psutil.Process(pid).children(recursive=True)}
 
 
 def _alive(pid: int) -> bool:
