@@ -335,15 +335,12 @@ def test_compose_cluster_profile_shape(compose):
     config = load_cluster(REPO / argv[2])
     assert config.front.kind in ("router", "omni")
     assert "./clusters:/loadlab/clusters:ro" in cluster["volumes"]
-    assert (
-        "/health" in " ".join(cluster["healthcheck"]["test"]) and cluster["healthcheck"]["test"][0] == "CMD"
-    )
+    healthcheck = cluster["healthcheck"]["test"]
+    assert healthcheck[0] == "CMD" and "/readiness" in healthcheck[-1] and "/health" in healthcheck[-1]
     # The master waits for it when it is on, and aims at it when LOCUST_HOST says so.
     assert services["master"]["depends_on"]["cluster"] == {"condition": "service_healthy", "required": False}
-    assert (
-        load_compose(CLUSTER_VARS)["services"]["master"]["environment"]["LOCUST_HOST"]
-        == "http://cluster:30000"
-    )
+    master_env = load_compose(CLUSTER_VARS)["services"]["master"]["environment"]
+    assert master_env["LOCUST_HOST"] == "http://cluster:30000"
     # The image has what a cluster needs: sglang-router (the `router` extra) and the cluster files.
     dockerfile = DOCKERFILE.read_text()
     install = re.search(r"^RUN pip install ([^\n]*)", dockerfile, re.MULTILINE).group(1)
@@ -397,9 +394,8 @@ def test_compose_stack_runs_a_headless_distributed_test(compose, tmp_path):
     replicas = int(compose["services"]["worker"]["deploy"]["replicas"])
     assert replicas >= 2
     run = run_headless(stack)
-    check_complete_run(
-        stack, run, replicas, f"http://127.0.0.1:{stack.ports['sim']['30000']}"
-    )  # the sim service
+    sim_url = f"http://127.0.0.1:{stack.ports['sim']['30000']}"
+    check_complete_run(stack, run, replicas, sim_url)  # against the sim service
 
 
 def cluster_ready_line(stack: LocalCompose) -> dict:
@@ -435,18 +431,14 @@ def test_compose_cluster_profile_runs_against_the_cluster_front(front, tmp_path)
     front_url = f"http://127.0.0.1:{stack.ports['cluster']['30000']}"  # --host 0.0.0.0 --port 30000
     assert ready["front"] == front_url
     workers = {w["url"] for w in ready["workers"]}
-    config = load_cluster(
-        variables.get("LOADLAB_CLUSTER_FILE") or REPO / compose["services"]["cluster"]["command"][2]
-    )
-    assert len(workers) == config.total_workers
-    assert all(
-        w.startswith("http://127.0.0.1:") for w in workers
-    )  # the twins stay on (the container's) loopback
+    cluster_file = compose["services"]["cluster"]["command"][2]
+    assert len(workers) == load_cluster(REPO / cluster_file).total_workers  # (an absolute path stays one)
+    # The twins stay on (the container's) loopback; only the front listens on every interface.
+    assert all(w.startswith("http://127.0.0.1:") for w in workers)
     rows, summary = check_complete_run(stack, run, replicas, front_url)
     # Every request was served by a cluster worker, named in its x-loadlab-worker header through the front.
-    assert all(r["served_by"] in workers for r in rows), [
-        r["served_by"] for r in rows if r["served_by"] not in workers
-    ]
+    strangers = [r["served_by"] for r in rows if r["served_by"] not in workers]
+    assert not strangers, strangers
     served = {r["served_by"] for r in rows}
     assert len(served) >= 2, served  # the front spread them
     assert summary["unattributed_requests"] == 0
