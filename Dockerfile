@@ -1,10 +1,12 @@
-# loadlab on the Locust image: one image for the Locust master, the workers and the simulated SGLang
-# server (`loadlab sim`). docker-compose.yml runs all three; see docs/compose.md.
+# loadlab on the Locust image: one image for the Locust master, the workers, the simulated SGLang server
+# (`loadlab sim`) and a cluster of simulated servers behind a front (`loadlab cluster`, with sglang-router).
+# docker-compose.yml runs them; see docs/compose.md.
 #
 #   docker build -t loadlab .
 #   docker run --rm -p 8089:8089 loadlab                      # web UI on :8089, embedded twin as the target
 #   docker run --rm loadlab locust -f locustfile.py --headless --profile-file profiles/rag.yaml
 #   docker run --rm -p 30000:30000 loadlab loadlab sim --host 0.0.0.0 --port 30000 --enable-metrics
+#   docker run --rm -p 30000:30000 loadlab loadlab cluster clusters/four-a100.yaml --host 0.0.0.0 --port 30000
 #
 # Locust is pinned to the version loadlab is developed against (pyproject.toml: locust>=2.40,<3).
 FROM locustio/locust:2.47.0
@@ -14,13 +16,15 @@ FROM locustio/locust:2.47.0
 USER root
 WORKDIR /loadlab
 
-# A regular (non-editable) install of the package and its dependencies into /opt/venv.
+# A regular (non-editable) install of the package and its dependencies into /opt/venv, with the `router`
+# extra: sglang-router, the front of a cluster of kind router (a prebuilt manylinux wheel, no compiler).
 COPY pyproject.toml README.md ./
 COPY loadlab ./loadlab
-RUN pip install --no-cache-dir . && rm -rf build ./*.egg-info
+RUN pip install --no-cache-dir ".[router]" && rm -rf build ./*.egg-info
 
 COPY locustfile.py ./
 COPY profiles ./profiles
+COPY clusters ./clusters
 RUN mkdir -p reports && chown -R locust:locust /loadlab
 USER locust
 

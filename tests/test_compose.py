@@ -15,6 +15,10 @@ runs each as a local process on 127.0.0.1:
 
 Then the run must be complete: the master exits 0, the run directory holds one ok record per request the
 profile asks for, both workers sent some, and the report is written.
+
+The same with compose profile `cluster` on (`LOCUST_HOST=http://cluster:30000 docker compose --profile cluster
+up`): the `cluster` service (`loadlab cluster`: twins on loopback behind sglang-router or omni) is started
+too, the master waits for its healthcheck, and every record must name one of the cluster's workers.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from loadlab.cluster import READY_PREFIX as CLUSTER_READY_PREFIX
+from loadlab.cluster.config import load_cluster
 from loadlab.procs import free_port
 from loadlab.records import read_jsonl_records
 
@@ -39,6 +45,8 @@ DOCKERFILE = REPO / "Dockerfile"
 
 # What `docker compose up` would read from the shell: a headless run with a fixed run directory name.
 TEST_VARS = {"LOCUST_HEADLESS": "true", "LOADLAB_RUN_NAME": "run"}
+# ... and with the cluster profile on: the master aims at the cluster's front.
+CLUSTER_VARS = {**TEST_VARS, "LOCUST_HOST": "http://cluster:30000"}
 # Local processes bind the master's port on loopback only (in a container it listens on all interfaces).
 TEST_ENV = {"master": {"LOCUST_MASTER_BIND_HOST": "127.0.0.1"}}
 EXECUTABLES = {
@@ -88,6 +96,16 @@ def load_compose(variables: dict[str, str] = TEST_VARS) -> dict:
     return interpolate(yaml.safe_load(COMPOSE.read_text()), variables)
 
 
+def duration_s(value, default: float) -> float:
+    """A compose duration ("30s", "1m30s", "2m") in seconds; ``default`` when unset."""
+    if value is None:
+        return default
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", str(value))
+    assert parts, f"not a compose duration: {value!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
 def container_workdir() -> str:
     workdirs = re.findall(r"^\s*WORKDIR\s+(\S+)", DOCKERFILE.read_text(), re.MULTILINE)
     assert workdirs, "Dockerfile has no WORKDIR"
@@ -95,11 +113,20 @@ def container_workdir() -> str:
 
 
 class LocalCompose:
-    """The default-enabled services of a compose file as local processes (see the module docstring)."""
+    """The enabled services of a compose file as local processes (see the module docstring): those in no
+    compose profile, and those of the `profiles` given (`docker compose --profile P up`). `variables` are
+    the shell's, as the compose file was interpolated with."""
 
-    def __init__(self, compose: dict, tmp_path: Path):
+    def __init__(
+        self, compose: dict, tmp_path: Path, profiles: tuple[str, ...] = (), variables: dict = TEST_VARS
+    ):
         self.tmp_path = tmp_path
-        self.services = {name: s for name, s in compose["services"].items() if not s.get("profiles")}
+        self.variables = variables
+        self.services = {
+            name: s
+            for name, s in compose["services"].items()
+            if not s.get("profiles") or set(s["profiles"]) & set(profiles)
+        }
         self.ports = {  # service -> {container port: a free local port}
             name: {container_port(p): str(free_port()) for p in [*s.get("expose", []), *s.get("ports", [])]}
             for name, s in self.services.items()
@@ -169,7 +196,7 @@ class LocalCompose:
         env["PYTHONUNBUFFERED"] = "1"
         for key, value in environment.items():
             if value is None:  # passed through from the shell, unset when the shell has none
-                value = TEST_VARS.get(key)
+                value = self.variables.get(key)
                 if value is None:
                     continue
             env[key] = self.rewrite(str(value), service)
@@ -211,8 +238,10 @@ class LocalCompose:
                 )
                 self.procs.setdefault(name, []).append(proc)
 
-    def wait_healthy(self, name: str, timeout: float = 30) -> None:
-        test = self.services[name]["healthcheck"]["test"]
+    def wait_healthy(self, name: str) -> None:
+        healthcheck = self.services[name]["healthcheck"]
+        test = healthcheck["test"]
+        timeout = max(30.0, duration_s(healthcheck.get("start_period"), 0))  # the service's own grace
         assert test[0] == "CMD", f"{name}: healthcheck as an argv list (CMD), not a shell string"
         cmd = self.argv(name, test[1:])
         deadline = time.monotonic() + timeout
@@ -283,18 +312,46 @@ def test_compose_file_shape(compose):
     assert master["environment"]["LOCUST_HOST"] == "http://sim:30000"
     profile = yaml.safe_load((REPO / master["environment"]["LOADLAB_PROFILE_FILE"]).read_text())
     assert profile["target"]["url"] == "http://sim:30000"
-    # The image: FROM the Locust image at a 2.x tag, the package installed (not editable).
+    # The image: FROM the Locust image at a 2.x tag, the package installed (not editable), with extras.
     dockerfile = DOCKERFILE.read_text()
     assert re.search(r"^FROM locustio/locust:2\.\d+\.\d+\s*$", dockerfile, re.MULTILINE)
     assert (
-        re.search(r"^RUN pip install [^\n]*\s\.(\s|$)", dockerfile, re.MULTILINE) and "-e ." not in dockerfile
+        re.search(r"^RUN pip install [^\n]*\s\"?\.(\[[\w,]+\])?\"?(\s|$)", dockerfile, re.MULTILINE)
+        and "-e ." not in dockerfile
     )
 
 
-def test_compose_stack_runs_a_headless_distributed_test(compose, tmp_path):
-    stack = LocalCompose(compose, tmp_path)
-    replicas = int(compose["services"]["worker"]["deploy"]["replicas"])
-    assert replicas >= 2
+def test_compose_cluster_profile_shape(compose):
+    services = compose["services"]
+    cluster = services["cluster"]
+    # Opt-in, from the loadlab image: `loadlab cluster FILE`, the front on every interface at 30000.
+    assert cluster["profiles"] == ["cluster"]
+    assert cluster["image"] == services["sim"]["image"] and cluster["build"] == "."
+    argv = cluster["command"]
+    assert argv[:2] == ["loadlab", "cluster"]
+    assert argv[argv.index("--host") + 1] == "0.0.0.0" and argv[argv.index("--port") + 1] == "30000"
+    assert "30000" in [container_port(p) for p in cluster["expose"]] and "ports" not in cluster
+    # The default cluster file ships in the image and has a front for the master to aim at.
+    config = load_cluster(REPO / argv[2])
+    assert config.front.kind in ("router", "omni")
+    assert "./clusters:/loadlab/clusters:ro" in cluster["volumes"]
+    healthcheck = cluster["healthcheck"]["test"]
+    assert healthcheck[0] == "CMD" and "/readiness" in healthcheck[-1] and "/health" in healthcheck[-1]
+    # The master waits for it when it is on, and aims at it when LOCUST_HOST says so.
+    assert services["master"]["depends_on"]["cluster"] == {"condition": "service_healthy", "required": False}
+    master_env = load_compose(CLUSTER_VARS)["services"]["master"]["environment"]
+    assert master_env["LOCUST_HOST"] == "http://cluster:30000"
+    # The image has what a cluster needs: sglang-router (the `router` extra) and the cluster files.
+    dockerfile = DOCKERFILE.read_text()
+    install = re.search(r"^RUN pip install ([^\n]*)", dockerfile, re.MULTILINE).group(1)
+    assert re.search(r"\.\[([\w,]*,)?router(,[\w,]*)?\]", install), install
+    assert re.search(r"^COPY clusters \./clusters\s*$", dockerfile, re.MULTILINE)
+    assert "clusters" not in (REPO / ".dockerignore").read_text().split()
+
+
+def run_headless(stack: LocalCompose) -> Path:
+    """Brings the stack up, waits for the headless master and its workers to exit 0, brings it down; the run
+    directory."""
     try:
         stack.up()
         (master,) = stack.procs["master"]
@@ -307,10 +364,14 @@ def test_compose_stack_runs_a_headless_distributed_test(compose, tmp_path):
             assert worker.wait(30) == 0, stack.logs()
     finally:
         stack.down()
-
     reports = stack.paths["master"]["/loadlab/reports"]
-    assert reports.is_relative_to(tmp_path)
-    run = reports / "run"
+    assert reports.is_relative_to(stack.tmp_path)
+    return reports / "run"
+
+
+def check_complete_run(stack: LocalCompose, run: Path, replicas: int, target_url: str) -> tuple[list, dict]:
+    """The run is complete: exactly one ok record per request of the profile, from every worker, against
+    `target_url`, with its report written. Returns the records and the summary."""
     profile_path = REPO / stack.env("master")["LOADLAB_PROFILE_FILE"]
     requests = yaml.safe_load(profile_path.read_text())["requests"]
     total = requests["warmup"] + requests["measured"]
@@ -320,8 +381,66 @@ def test_compose_stack_runs_a_headless_distributed_test(compose, tmp_path):
     assert len({r["worker_id"] for r in rows}) == replicas  # every worker sent requests
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["complete"] is True
-    assert manifest["target"]["url"] == f"http://127.0.0.1:{stack.ports['sim']['30000']}"  # the sim service
+    assert manifest["target"]["url"] == target_url
     assert len(manifest["load_generators"]) == replicas
     summary = json.loads((run / "summary.json").read_text())
     assert summary["measured_requests"] == requests["measured"] and not summary["partial"]
     assert (run / "summary.md").exists() and (run / "records.parquet").exists()
+    return rows, summary
+
+
+def test_compose_stack_runs_a_headless_distributed_test(compose, tmp_path):
+    stack = LocalCompose(compose, tmp_path)
+    replicas = int(compose["services"]["worker"]["deploy"]["replicas"])
+    assert replicas >= 2
+    run = run_headless(stack)
+    sim_url = f"http://127.0.0.1:{stack.ports['sim']['30000']}"
+    check_complete_run(stack, run, replicas, sim_url)  # against the sim service
+
+
+def cluster_ready_line(stack: LocalCompose) -> dict:
+    """The `cluster` service's ready line (`loadlab cluster` prints it on stdout, in the service's log)."""
+    lines = (stack.tmp_path / "cluster-1.log").read_text(errors="replace").splitlines()
+    ready = [line[len(CLUSTER_READY_PREFIX) :] for line in lines if line.startswith(CLUSTER_READY_PREFIX)]
+    assert len(ready) == 1, stack.logs()
+    return json.loads(ready[0])
+
+
+@pytest.mark.parametrize("front", ["router", "omni"])
+def test_compose_cluster_profile_runs_against_the_cluster_front(front, tmp_path):
+    """`LOCUST_HOST=http://cluster:30000 docker compose --profile cluster up`, headless: the run goes through
+    the cluster's front (sglang-router with the default cluster file; omni with a cluster file naming it) and
+    every request is served, and attributed, by one of the cluster's workers."""
+    variables = dict(CLUSTER_VARS)
+    if front == "router":
+        pytest.importorskip("sglang_router", reason="front kind router needs sglang-router")
+    else:  # the default cluster file with omni as its front: LOADLAB_CLUSTER_FILE names another file
+        default = load_compose(CLUSTER_VARS)["services"]["cluster"]["command"][2]
+        data = yaml.safe_load((REPO / default).read_text())
+        data["front"] = {"kind": "omni", "policy": "least_queue"}
+        (tmp_path / "omni.yaml").write_text(yaml.safe_dump(data))
+        variables["LOADLAB_CLUSTER_FILE"] = str(tmp_path / "omni.yaml")
+    compose = load_compose(variables)
+    stack = LocalCompose(compose, tmp_path, profiles=("cluster",), variables=variables)
+    assert {"cluster", "sim", "master", "worker"} == set(stack.services)  # sglang stays off
+    replicas = int(compose["services"]["worker"]["deploy"]["replicas"])
+    run = run_headless(stack)
+
+    ready = cluster_ready_line(stack)
+    assert ready["kind"] == front
+    front_url = f"http://127.0.0.1:{stack.ports['cluster']['30000']}"  # --host 0.0.0.0 --port 30000
+    assert ready["front"] == front_url
+    workers = {w["url"] for w in ready["workers"]}
+    cluster_file = compose["services"]["cluster"]["command"][2]
+    assert len(workers) == load_cluster(REPO / cluster_file).total_workers  # (an absolute path stays one)
+    # The twins stay on (the container's) loopback; only the front listens on every interface.
+    assert all(w.startswith("http://127.0.0.1:") for w in workers)
+    rows, summary = check_complete_run(stack, run, replicas, front_url)
+    # Every request was served by a cluster worker, named in its x-loadlab-worker header through the front.
+    strangers = [r["served_by"] for r in rows if r["served_by"] not in workers]
+    assert not strangers, strangers
+    served = {r["served_by"] for r in rows}
+    assert len(served) >= 2, served  # the front spread them
+    assert summary["unattributed_requests"] == 0
+    assert {w["served_by"] for w in summary["workers"]} <= workers
+    assert sum(w["measured_requests"] for w in summary["workers"]) == summary["measured_requests"]

@@ -181,7 +181,9 @@ class Cluster:
                          queue_size=front.queue_size, host=self.host, port=self.port)  # fmt: skip
         proc = ReadyLineProcess(argv, OMNI_READY_PREFIX, START_TIMEOUT_S, echo_prefix="[omni] ")
         try:
-            self.front_url = proc.start()
+            # omni names the address it listens on (http://0.0.0.0:P with --host 0.0.0.0); the ready line says
+            # where this machine reaches it, as for the router.
+            self.front_url = _url(self.host, int(proc.start().rsplit(":", 1)[1]))
         except ChildStartError as e:
             raise ClusterStartError(f"the omni front did not start: {e}") from None
         finally:
