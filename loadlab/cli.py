@@ -296,7 +296,8 @@ def _cmd_validate(args) -> int:
         if profile.target.cluster:
             load_cluster(profile.target.cluster, as_target=True)
         on = f", on cluster {profile.target.cluster}" if profile.target.cluster else ""
-        print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests{on})")
+        classes = f", {len(profile.classes)} classes" if profile.classes else ""
+        print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests{classes}{on})")
     return exits.OK
 
 

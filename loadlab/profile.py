@@ -7,6 +7,7 @@ wrong; callers turn it into exit status 2 before any load is sent.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -24,7 +25,7 @@ from pydantic import (
 )
 
 from loadlab.sim.settings import check_embedded_settings
-from loadlab.yamlconfig import ConfigError, Lines, check_mapping, read_mapping, validation_message
+from loadlab.yamlconfig import ConfigError, Lines, check_mapping, read_mapping, validation_message, where
 
 APIS = ("generate", "completions", "chat")
 API_PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -210,6 +211,61 @@ WorkloadConfig = Annotated[
 ]
 
 
+# Custom request headers the real router (sglang-router) forwards to its workers: only these (and a few fixed
+# ones), so a class carried in a header must use one for a front to see it (/work/shared/design/omni.md).
+CLASS_HEADER_PREFIX = "x-request-id-"
+SHARE_TOLERANCE = 1e-9
+
+
+class CarryConfig(_Strict):
+    """How a class is carried to the server (any combination; none: the class is only in the records)."""
+
+    # SGLang's request field `priority` (/generate and /v1/completions; --enable-priority-scheduling)
+    priority: StrictInt | None = None
+    # A request header, x-request-id-<something>, whose value is the class name
+    header: str | None = Field(None, description="header named x-request-id-..., valued the class name")
+    # The served model name to ask for (the OpenAI APIs' `model`): a front routing by model sees it
+    model: str | None = None
+
+    @field_validator("header")
+    @classmethod
+    def _forwarded_header(cls, header: str | None) -> str | None:
+        if header is None:
+            return None
+        if not header.lower().startswith(CLASS_HEADER_PREFIX) or len(header) == len(CLASS_HEADER_PREFIX):
+            raise ValueError(
+                f"must start with {CLASS_HEADER_PREFIX} (e.g. x-request-id-class): the only custom "
+                f"headers the router forwards (got {header!r})"
+            )
+        if not re.fullmatch(r"[A-Za-z0-9-]+", header):
+            raise ValueError(f"letters, digits and dashes only (got {header!r})")
+        return header
+
+    @field_validator("model")
+    @classmethod
+    def _model_name(cls, model: str | None) -> str | None:
+        if model is not None and not model.strip():
+            raise ValueError("a served model name, not empty")
+        return model
+
+
+class ClassConfig(_Strict):
+    """One SLO class: a share of the requests, optionally its own workload and SLO, and how it is carried."""
+
+    name: str
+    share: float = Field(gt=0, le=1, description="fraction of the requests")
+    workload: WorkloadConfig | None = None  # default: the profile's
+    slo: SloConfig | None = None  # default: the profile's
+    carry: CarryConfig = Field(default_factory=CarryConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ValueError(f"letters, digits, '_', '.' and '-' only, not empty (got {name!r})")
+        return name
+
+
 class Profile(_Strict):
     name: str = "unnamed"
     description: str = ""
@@ -219,6 +275,10 @@ class Profile(_Strict):
     requests: RequestsConfig = Field(default_factory=RequestsConfig)
     workload: WorkloadConfig
     slo: SloConfig = Field(default_factory=SloConfig)
+    classes: list[ClassConfig] | None = None  # SLO classes (docs/workloads.md); None: one class, as before
+
+    def class_slo(self, cls: ClassConfig) -> SloConfig:
+        return cls.slo if cls.slo is not None else self.slo
 
     @property
     def total_requests(self) -> int:
@@ -276,7 +336,39 @@ def validate_profile(data: dict[str, Any], label: str = "<profile>", lines: Line
     if profile.target.embedded:
         embedded = profile.target.embedded
         check_mapping(embedded, check_embedded_settings, ["target", "embedded"], label, lines, ProfileError)
+    if profile.classes is not None:
+        _check_classes(profile, label, lines)
     return profile
+
+
+def _check_classes(profile: Profile, label: str, lines: Lines) -> None:
+    """What the schema cannot say about one class alone: the shares, the names, the carry against the API."""
+
+    def fail(loc: list[str], problem: str) -> None:
+        raise ProfileError(f"{where(label, lines, loc)}: {'.'.join(loc)}: {problem}")
+
+    classes = profile.classes
+    if not classes:
+        fail(["classes"], "an empty list: drop the key or give at least one class")
+    seen: dict[str, int] = {}
+    for i, cls in enumerate(classes):
+        if cls.name in seen:
+            fail(["classes", str(i), "name"], f"{cls.name!r} is also the name of classes[{seen[cls.name]}]")
+        seen[cls.name] = i
+        api = profile.target.api
+        if cls.carry.priority is not None and api == "chat":
+            fail(["classes", str(i), "carry", "priority"],
+                 "not with api: chat (the router drops priority on /v1/chat/completions); use generate or "
+                 "completions, or carry the class in a header")  # fmt: skip
+        if cls.carry.model is not None and api == "generate":
+            fail(["classes", str(i), "carry", "model"],
+                 "the native /generate has no model field; use api: completions or chat")  # fmt: skip
+    total = sum(cls.share for cls in classes)
+    if abs(total - 1.0) > SHARE_TOLERANCE:
+        fail(
+            ["classes"],
+            f"the shares sum to {total:.12g}, not 1 ({', '.join(f'{c.name} {c.share:g}' for c in classes)})",
+        )
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any, label: str) -> None:

@@ -93,6 +93,9 @@ class RequestRecord:
     t_scheduled_wall: float | None = None  # open-loop load models: when the send was due
     served_by: str | None = None  # the response's x-loadlab-worker header: the worker that served it
     status_source: str | None = None  # STATUS_WORKER, STATUS_FRONT or None: who answered (headers above)
+    request_class: str | None = (
+        None  # the profile's SLO class of the request (its spec's); None without classes
+    )
 
     def to_json_line(self) -> bytes:
         return orjson.dumps(self) + b"\n"  # orjson serialises dataclasses natively (~50x asdict)
@@ -262,6 +265,7 @@ def arrow_types() -> dict[str, Any]:
         "t_scheduled_wall": pa.float64(),
         "served_by": pa.string(),
         "status_source": pa.string(),
+        "request_class": pa.string(),
     }
     missing = set(RECORD_FIELDS) - set(types)
     assert not missing, f"no Arrow type for record fields {missing}"

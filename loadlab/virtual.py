@@ -78,13 +78,23 @@ WORKER_ID = "virtual"
 class _Spec:
     """A request spec as the twin needs it (prompt as a list, the deterministic output ids)."""
 
-    __slots__ = ("input_len", "max_new_tokens", "output_ids", "prefix_group", "prompt")
+    __slots__ = (
+        "input_len",
+        "max_new_tokens",
+        "output_ids",
+        "prefix_group",
+        "prompt",
+        "request_class",
+        "priority",
+    )
 
     def __init__(self, spec):
         self.prompt = list(spec.input_ids)
         self.input_len = len(self.prompt)
         self.max_new_tokens = spec.max_new_tokens
         self.prefix_group = spec.prefix_group
+        self.request_class = spec.request_class
+        self.priority = spec.priority
         self.output_ids = output_ids_for(self.prompt, self.max_new_tokens)
 
 
@@ -287,6 +297,7 @@ class VirtualRun:
             input_len=spec.input_len,
             max_new_tokens=spec.max_new_tokens,
             prefix_group=spec.prefix_group,
+            request_class=spec.request_class,
             t_scheduled_wall=None if due is None else self.epoch + due,
             **fields,
         )

@@ -151,7 +151,7 @@ def test_percentiles_are_exact_numpy_and_use_bench_serving_keys(tmp_path):
         for stat in STATS:
             assert f"{stat}_{stem}" in s.dump()
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk == s.dump() and on_disk["version"] == 2
+    assert on_disk == s.dump() and on_disk["version"] == 3
     assert Summary.read(tmp_path) == s
 
 
@@ -690,7 +690,7 @@ def _doc_tables() -> dict[str, list[str]]:
 
 def test_every_summary_field_is_documented():
     expected, tables = _documented_fields(), _doc_tables()
-    assert len(expected) == 11  # Summary, the latency statistics and the nine nested models
+    assert len(expected) == 15  # Summary, the latency statistics and the thirteen nested models
     for part, names in expected.items():
         assert part in tables, f"docs/metrics.md, summary.json fields: no '### {part}'"
         missing = [n for n in names if n not in tables[part]]
@@ -719,7 +719,7 @@ def test_summary_json_is_checked_against_the_model(tmp_path, monkeypatch):
     s = summarize(tmp_path, records, make_manifest({"slo": {"ttfx_p9_ms": 1}}))
     on_disk = json.loads((tmp_path / SUMMARY_JSON).read_text())
     assert Summary.read(tmp_path) == s and s.dump() == on_disk
-    assert on_disk["version"] == 2 and on_disk["schema"] == "loadlab.summary/2"
+    assert on_disk["version"] == 3 and on_disk["schema"] == "loadlab.summary/3"
     assert s.client_queue_ms is not None and "p99_client_queue_ms" in on_disk
     assert "server_queue_ms" not in on_disk["samples"] and "mean_server_queue_ms" not in on_disk
     assert on_disk["slo"]["unrecognized"] == ["ttfx_p9_ms"] and "peak_token_usage" not in on_disk["server"]
@@ -755,15 +755,18 @@ def test_summary_json_is_checked_against_the_model(tmp_path, monkeypatch):
     path.write_text(json.dumps({**on_disk, "surprise": 1}))
     with pytest.raises(SummaryError, match=r"surprise: Extra inputs are not permitted.*loadlab report"):
         Summary.read(tmp_path)
-    path.write_text(json.dumps({**on_disk, "version": 3}))
-    with pytest.raises(SummaryError, match="summary version 3; this loadlab reads versions 1, 2"):
+    path.write_text(json.dumps({**on_disk, "version": 4}))
+    with pytest.raises(SummaryError, match="summary version 4; this loadlab reads versions 1, 2, 3"):
         Summary.read(tmp_path)
-    added_in_2 = ("workers", "unattributed_requests")
+    added_in_2 = ("workers", "unattributed_requests", "classes")
     version_1 = {k: v for k, v in on_disk.items() if k not in added_in_2}
     path.write_text(json.dumps({**version_1, "version": 1, "schema": "loadlab.summary/1"}))
     assert Summary.read(tmp_path) == s.model_copy(update={"workers": [], "unattributed_requests": None})
     path.write_text(json.dumps({k: v for k, v in version_1.items() if k not in ("version", "schema")}))
     assert Summary.read(tmp_path).workers == []
+    version_2 = {k: v for k, v in on_disk.items() if k != "classes"}
+    path.write_text(json.dumps({**version_2, "version": 2, "schema": "loadlab.summary/2"}))
+    assert Summary.read(tmp_path) == s and s.classes == []
     path.unlink()
     with pytest.raises(SummaryError, match="no such file"):
         Summary.read(tmp_path)

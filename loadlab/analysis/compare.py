@@ -58,6 +58,46 @@ def compare(a: Summary, b: Summary) -> list[dict[str, Any]]:
     return rows
 
 
+def compare_classes(a: Summary, b: Summary) -> list[dict[str, Any]]:
+    """Each class of either run (A's order, then B's others): its TTFT P95 and SLO verdict in A and B."""
+    by_a = {c.name: c for c in a.classes}
+    by_b = {c.name: c for c in b.classes}
+    rows = []
+    for name in [*by_a, *(n for n in by_b if n not in by_a)]:
+        ca, cb = by_a.get(name), by_b.get(name)
+        rows.append({
+            "class": name,
+            "a_ttft_p95": None if ca is None else ca.ttft_ms.p95,
+            "b_ttft_p95": None if cb is None else cb.ttft_ms.p95,
+            "a_pass": None if ca is None else ca.slo.passed,
+            "b_pass": None if cb is None else cb.slo.passed,
+            "a_present": ca is not None,
+            "b_present": cb is not None,
+        })  # fmt: skip
+    return rows
+
+
+def _class_block(a: Summary, b: Summary) -> list[str]:
+    rows = compare_classes(a, b)
+    if not rows:
+        return []
+
+    def ms(present: bool, v: float | None) -> str:
+        return "-" if not present else ("n/a" if v is None else f"{v:.2f}")
+
+    def verdict(present: bool, v: bool | None) -> str:
+        return "-" if not present else ("n/a" if v is None else ("PASS" if v else "FAIL"))
+
+    lines = ["", f"{'class':<16} {'A TTFT P95':>11} {'B TTFT P95':>11} {'A SLO':>6} {'B SLO':>6}", "-" * 54]
+    for r in rows:
+        lines.append(
+            f"{r['class']:<16} {ms(r['a_present'], r['a_ttft_p95']):>11} {ms(r['b_present'], r['b_ttft_p95']):>11} "
+            f"{verdict(r['a_present'], r['a_pass']):>6} {verdict(r['b_present'], r['b_pass']):>6}"
+        )
+    lines.append("(TTFT P95 in ms; '-': the run has no such class)")
+    return lines
+
+
 def render(a_dir: Path, b_dir: Path, a: Summary, b: Summary, rows: list[dict[str, Any]]) -> str:
     lines = [f"A: {a_dir} ({a.load_model}; {a.measured_requests} measured)",
              f"B: {b_dir} ({b.load_model}; {b.measured_requests} measured)", ""]  # fmt: skip
@@ -74,6 +114,7 @@ def render(a_dir: Path, b_dir: Path, a: Summary, b: Summary, rows: list[dict[str
         change = f"{r['change'] * 100:+.1f}%" if r["change"] is not None else "n/a"
         name = f"{r['figure']} ({r['unit']})" if r["unit"] else r["figure"]
         lines.append(f"{name:<28} {r['a']:>12.2f} {r['b']:>12.2f} {change:>8}  {r['verdict']}")
+    lines += _class_block(a, b)
     notable = [r for r in rows if r["verdict"]]
     lines += [
         "",

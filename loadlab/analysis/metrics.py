@@ -338,13 +338,14 @@ class _FromManifest:
     load_generators: int
     client: dict[str, Any] | None
     slo: Any  # the profile's slo mapping, parsed by evaluate_slo
+    classes: list[Any]  # the profile's classes (name, share, slo, ...), [] without
 
 
 def _from_manifest(manifest: Manifest | None) -> _FromManifest:
     """Every read of the run manifest that compute_summary makes (none: a run directory without one)."""
     if manifest is None:
         return _FromManifest(
-            None, None, None, None, None, "unknown", None, None, None, None, 0, 0, {}, 1, None, None
+            None, None, None, None, None, "unknown", None, None, None, None, 0, 0, {}, 1, None, None, []
         )
     profile, load, lost = manifest.profile, manifest.load, manifest.lost_in_flight
     by_worker: dict[str, int] = {}
@@ -367,6 +368,7 @@ def _from_manifest(manifest: Manifest | None) -> _FromManifest:
         load_generators=len(manifest.load_generators) or 1,
         client=_client(manifest.client),
         slo=profile.get("slo"),
+        classes=list(profile.get("classes") or []),
     )
 
 
@@ -414,43 +416,48 @@ def compute_summary(
     failures = dict(sorted(failures.items()))
 
     # Per-request samples of the completed (ok, measured) requests.
-    ok_idx = np.flatnonzero(ok)
-    events = pooled_events([arrival_ms[i] for i in ok_idx], [arrival_tokens[i] for i in ok_idx])
-    out_tokens_resolved = output_tokens.copy()
-    missing_output = ok & ~np.isfinite(output_tokens)
-    output_fallback = int(missing_output.sum())
-    out_tokens_resolved[ok_idx] = np.where(
-        np.isfinite(output_tokens[ok_idx]), output_tokens[ok_idx], events["token_sum"]
-    )
-    ok_ttft, ok_e2e, ok_out = ttft[ok_idx], e2e[ok_idx], out_tokens_resolved[ok_idx]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        tpot = (ok_e2e - ok_ttft) / (ok_out - 1)
-        tpot = tpot[(ok_out > 1) & np.isfinite(tpot)]
-        decode_denominator = ok_out - events["first_tokens"]
-        tpot_decode = (ok_e2e - ok_ttft) / decode_denominator
-        tpot_decode = tpot_decode[(decode_denominator > 0) & np.isfinite(tpot_decode)]
-    samples = {
-        "ttft_ms": ok_ttft[np.isfinite(ok_ttft)],
-        "tpot_ms": tpot,
-        "tpot_decode_ms": tpot_decode,
-        "itl_ms": events["itl_per_token"],
-        "itl_per_event_ms": events["itl_per_event"],
-        "e2e_latency_ms": ok_e2e[np.isfinite(ok_e2e)],
-    }
-    # Open loop: latency counted from when the send was due, so queueing inside the client cannot hide
-    # (coordinated omission). Only when the load model scheduled sends.
-    scheduled = _numeric(df, "t_scheduled_wall")[ok_idx]
-    if np.isfinite(scheduled).any():
-        queue = (t_send[ok_idx] - scheduled) * 1000.0
-        has = np.isfinite(queue)
-        samples["client_queue_ms"] = queue[has]
-        samples["ttft_from_scheduled_ms"] = (ok_ttft + queue)[has & np.isfinite(ok_ttft)]
-        samples["e2e_from_scheduled_ms"] = (ok_e2e + queue)[has & np.isfinite(ok_e2e)]
+    scheduled_col = _numeric(df, "t_scheduled_wall")
+    server_queue_col = _numeric(df, "server_queue_ms")
 
-    # The server's waiting queue per request, where it says (meta_info.queue_time, SGLang --enable-metrics).
-    server_queue = _numeric(df, "server_queue_ms")[ok_idx]
-    if np.isfinite(server_queue).any():
-        samples["server_queue_ms"] = server_queue[np.isfinite(server_queue)]
+    def latency_samples(done: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The latency samples of the requests ``done`` selects, and their resolved output token counts."""
+        ok_idx = np.flatnonzero(done)
+        events = pooled_events([arrival_ms[i] for i in ok_idx], [arrival_tokens[i] for i in ok_idx])
+        ok_ttft, ok_e2e = ttft[ok_idx], e2e[ok_idx]
+        ok_out = np.where(np.isfinite(output_tokens[ok_idx]), output_tokens[ok_idx], events["token_sum"])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tpot = (ok_e2e - ok_ttft) / (ok_out - 1)
+            tpot = tpot[(ok_out > 1) & np.isfinite(tpot)]
+            decode_denominator = ok_out - events["first_tokens"]
+            tpot_decode = (ok_e2e - ok_ttft) / decode_denominator
+            tpot_decode = tpot_decode[(decode_denominator > 0) & np.isfinite(tpot_decode)]
+        samples = {
+            "ttft_ms": ok_ttft[np.isfinite(ok_ttft)],
+            "tpot_ms": tpot,
+            "tpot_decode_ms": tpot_decode,
+            "itl_ms": events["itl_per_token"],
+            "itl_per_event_ms": events["itl_per_event"],
+            "e2e_latency_ms": ok_e2e[np.isfinite(ok_e2e)],
+        }
+        # Open loop: latency counted from when the send was due, so queueing inside the client cannot hide
+        # (coordinated omission). Only when the load model scheduled sends.
+        scheduled = scheduled_col[ok_idx]
+        if np.isfinite(scheduled).any():
+            queue = (t_send[ok_idx] - scheduled) * 1000.0
+            has = np.isfinite(queue)
+            samples["client_queue_ms"] = queue[has]
+            samples["ttft_from_scheduled_ms"] = (ok_ttft + queue)[has & np.isfinite(ok_ttft)]
+            samples["e2e_from_scheduled_ms"] = (ok_e2e + queue)[has & np.isfinite(ok_e2e)]
+        # The server's waiting queue per request, where it says (meta_info.queue_time, --enable-metrics).
+        server_queue = server_queue_col[ok_idx]
+        if np.isfinite(server_queue).any():
+            samples["server_queue_ms"] = server_queue[np.isfinite(server_queue)]
+        return samples, ok_out
+
+    samples, ok_out = latency_samples(ok)
+    out_tokens_resolved = output_tokens.copy()
+    output_fallback = int((ok & ~np.isfinite(output_tokens)).sum())
+    out_tokens_resolved[np.flatnonzero(ok)] = ok_out
 
     server_rows = server_rows or []
     margin = scrape_interval(server_rows)  # scrapes one interval either side of the window belong to it
@@ -598,6 +605,42 @@ def compute_summary(
         server["mean_queue_time_ms"] = summary["mean_server_queue_ms"]
         server["queue_time_source"] = "meta_info"
     summary["slo"] = evaluate_slo(run.slo, samples, summary["failed"])
+
+    # Per SLO class: its measured records alone, the same definitions, its own SLO.
+    request_class = _strings(df, "request_class")
+    profile_classes = {c["name"]: c for c in run.classes if isinstance(c, dict) and "name" in c}
+    others = sorted(set(request_class[measured & (request_class != None)]) - set(profile_classes))  # noqa: E711
+    summary["classes"] = []
+    for name in [*profile_classes, *others]:
+        mine = measured & (request_class == name)
+        done = mine & ok
+        class_samples, class_out = latency_samples(done)
+        class_failures: dict[str, int] = {}
+        for kind in outcome[mine & ~ok]:
+            class_failures[kind or "unknown"] = class_failures.get(kind or "unknown", 0) + 1
+        output_c = int(np.nansum(class_out)) if done.any() else 0
+        declared = profile_classes.get(name, {})
+        slo_c = declared.get("slo") if declared.get("slo") is not None else run.slo
+        entry = {
+            "name": name,
+            "share": declared.get("share"),
+            "measured_requests": int(mine.sum()),
+            "completed": int(done.sum()),
+            "failed": int((mine & ~ok).sum()),
+            "failures": dict(sorted(class_failures.items())),
+            "total_output_tokens": output_c,
+            "request_throughput": per_s(int(done.sum())),
+            "output_throughput": per_s(output_c),
+            "samples": {stem: int(arr.size) for stem, arr in class_samples.items()},
+            "slo": evaluate_slo(slo_c, class_samples, int((mine & ~ok).sum())),
+        }
+        for stem, arr in class_samples.items():
+            entry.update(describe(arr, stem))
+        summary["classes"].append(entry)
+    verdicts = [
+        v for v in (summary["slo"]["pass"], *(c["slo"]["pass"] for c in summary["classes"])) if v is not None
+    ]
+    summary["slo"]["pass"] = all(verdicts) if verdicts else None
     if samples_out is not None:  # the per-request samples, for plots
         samples_out.update(samples)
     return Summary.model_validate(clean(summary))  # the flat keys of summary.json, as summary.json is read

@@ -144,6 +144,38 @@ def _worker_lines(s: Summary) -> list[str]:
     return [*lines, ""]
 
 
+def verdict_word(passed: bool | None) -> str:
+    return "n/a" if passed is None else ("PASS" if passed else "FAIL")
+
+
+def _class_lines(s: Summary) -> list[str]:
+    """The per-class table: only with SLO classes (the records' request_class)."""
+    if not s.classes:
+        return []
+    lines = [
+        "## Per class",
+        "",
+        "| class | share | measured | completed | failed | req/s | output tok/s | TTFT P50 | TTFT P95 | "
+        "TTFT P99 | TPOT P95 | ITL P95 | E2E P95 | SLO |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for c in s.classes:
+        share = "n/a" if c.share is None else f"{c.share:g}"
+        lines.append(
+            f"| {c.name} | {share} | {c.measured_requests} | {c.completed} | {c.failed} | "
+            f"{_num(c.request_throughput)} | {_num(c.output_throughput)} | {_num(c.ttft_ms.median)} | "
+            f"{_num(c.ttft_ms.p95)} | {_num(c.ttft_ms.p99)} | {_num(c.tpot_ms.p95)} | {_num(c.itl_ms.p95)} | "
+            f"{_num(c.e2e_latency_ms.p95)} | {verdict_word(c.slo.passed)} |"
+        )
+    lines += [
+        "",
+        "Latencies in ms, over each class's completed requests; throughputs over the run's measured duration. "
+        "SLO: the class's own verdict (its slo, else the profile's; n/a without objectives).",
+        "",
+    ]
+    return lines
+
+
 def _client_lines(client: Client | None) -> list[str]:
     """The load generator's own timing quality, beside the latencies it qualifies."""
     if client is None:
@@ -268,19 +300,28 @@ def render_markdown(s: Summary) -> str:
     lines.append("")
     lines += _server_lines(s.server)
     lines += _worker_lines(s)
+    lines += _class_lines(s)
 
     slo = s.slo
     lines += ["## SLO", ""]
     if not slo.objectives:
-        lines.append("- No SLO objectives in the profile.")
+        lines.append(
+            "- No SLO objectives in the profile." if not s.classes else "- No run-wide SLO objectives."
+        )
     for o in slo.objectives:
         verdict = "PASS" if o.passed else "FAIL"
         note = " (no samples)" if o.value_ms is None else ""
         lines.append(
             f"- {verdict}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms (limit {_num(o.threshold_ms)} ms){note}"
         )
-    if slo.objectives:
-        lines.append(f"- Overall: {'PASS' if slo.passed else 'FAIL'}")
+    for c in s.classes:
+        for o in c.slo.objectives:
+            verdict = "PASS" if o.passed else "FAIL"
+            lines.append(f"- {verdict}: class {c.name}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms "
+                         f"(limit {_num(o.threshold_ms)} ms)")  # fmt: skip
+    if slo.objectives or (s.classes and slo.passed is not None):
+        every = " (every class too)" if s.classes else ""
+        lines.append(f"- Overall{every}: {'PASS' if slo.passed else 'FAIL'}")
     if slo.failed_requests:
         lines.append(
             f"- Note: {slo.failed_requests} measured request(s) failed; failures are not in the latencies."

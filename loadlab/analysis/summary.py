@@ -37,10 +37,10 @@ from pydantic import (
 )
 
 SUMMARY_JSON = "summary.json"
-SUMMARY_VERSION = 2  # 2: workers and unattributed_requests (per-worker attribution)
-SUMMARY_SCHEMA = "loadlab.summary/2"  # kept beside version, which came later; bumped with it
+SUMMARY_VERSION = 3  # 2: workers and unattributed_requests (per-worker attribution); 3: classes
+SUMMARY_SCHEMA = "loadlab.summary/3"  # kept beside version, which came later; bumped with it
 # Older versions this one reads: each added fields only, so an old file reads with their defaults.
-READS_VERSIONS = (1, 2)
+READS_VERSIONS = (1, 2, 3)
 
 
 class SummaryError(ValueError):
@@ -264,18 +264,97 @@ class Slo(_Model):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The flat latency keys on disk (the summary's and each class's)
+
+
+class _FlatLatency(_Model):
+    """A model whose LatencyStats fields are flat ``<stat>_<metric>`` keys on disk, with a ``samples`` part
+    that has a count for exactly the metrics present."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_latency(cls, data: Any) -> Any:
+        """``p99_ttft_ms`` and its siblings into ``ttft_ms: {p99: ...}``."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for stem in LATENCY_STEMS:
+            flat = {stat: f"{stat}_{stem}" for stat in STATS}
+            found = {stat: data.pop(key) for stat, key in flat.items() if key in data}
+            if found:
+                if stem in data:
+                    raise ValueError(f"{stem}: given both nested and as flat keys")
+                data[stem] = found
+        return data
+
+    def _reshape(self, out: dict[str, Any]) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for key, value in out.items():
+            if key in LATENCY_STEMS:
+                if value is not None:  # an absent metric (open loop only, ...) has no keys at all
+                    flat.update({f"{stat}_{key}": value[stat] for stat in STATS})
+            else:
+                flat[key] = value
+        return flat
+
+    @model_validator(mode="after")
+    def _stats_match_samples(self):
+        for stem in LATENCY_STEMS:
+            if (getattr(self, stem) is None) != (getattr(self.samples, stem) is None):
+                raise ValueError(f"{stem}: statistics and samples.{stem} must be both present or both absent")
+        return self
+
+
+class RequestClass(_FlatLatency):
+    """One SLO class of the profile (the records' request_class): its measured requests alone, with the
+    run's definitions, and its own SLO verdict. The latency statistics are flat keys, as at the top level."""
+
+    name: str = Field(description="The class's name, as the records' request_class.")
+    share: float | None = Field(description="Its share in the profile; null for a class the profile lacks.")
+    measured_requests: int = Field(description="Its measured records, any outcome.")
+    completed: int = Field(description="Of those, outcome ok.")
+    failed: int = Field(description="Of those, any other outcome.")
+    failures: dict[str, int] = Field(description="Its failed measured requests by outcome, sorted.")
+    total_output_tokens: int = Field(description="Output tokens of its completed requests.")
+    request_throughput: float | None = Field(description="completed / the run's duration (req/s).")
+    output_throughput: float | None = Field(description="total_output_tokens / the run's duration (tok/s).")
+    samples: Samples = Field(description="Samples per latency metric.")
+    ttft_ms: LatencyStats = Field(description="TTFT: send to the first token-carrying event.")
+    tpot_ms: LatencyStats = Field(description="TPOT, bench_serving's: (E2E - TTFT) / (output_tokens - 1).")
+    tpot_decode_ms: LatencyStats = Field(
+        description="TPOT per decoded token: (E2E - TTFT) / (output_tokens - tokens in the first event)."
+    )
+    itl_ms: LatencyStats = Field(description="ITL per token: each event's gap spread over its tokens.")
+    itl_per_event_ms: LatencyStats = Field(
+        description="ITL per event: the raw gaps between token-carrying events."
+    )
+    e2e_latency_ms: LatencyStats = Field(description="E2E: send to the stream's last line.")
+    client_queue_ms: LatencyStats | None = Field(None, description="Open loop only: send - due time.")
+    ttft_from_scheduled_ms: LatencyStats | None = Field(
+        None, description="Open loop only: TTFT from the due time."
+    )
+    e2e_from_scheduled_ms: LatencyStats | None = Field(
+        None, description="Open loop only: E2E from the due time."
+    )
+    server_queue_ms: LatencyStats | None = Field(
+        None, description="The server's queue time per request (meta_info.queue_time), when reported."
+    )
+    slo: Slo = Field(description="Its verdict against its own SLO (the class's slo, else the profile's).")
+
+
+# ---------------------------------------------------------------------------------------------------
 # The summary
 
 
-class Summary(_Model):
+class Summary(_FlatLatency):
     """The run summary (summary.json), computed exactly from the raw records: docs/metrics.md."""
 
-    schema_name: Literal["loadlab.summary/2"] = Field(
-        alias="schema", description="The schema, loadlab.summary/2."
+    schema_name: Literal["loadlab.summary/3"] = Field(
+        alias="schema", description="The schema, loadlab.summary/3."
     )
-    version: Literal[2] = Field(
+    version: Literal[3] = Field(
         SUMMARY_VERSION,
-        description="Schema version of this summary (version 1 and summaries without the key read as 2).",
+        description="Schema version of this summary (versions 1, 2 and summaries without the key read as 3).",
     )
     run_id: str | None = Field(description="The run's id (manifest run_id).")
     profile_name: str | None = Field(description="The profile's name.")
@@ -350,45 +429,17 @@ class Summary(_Model):
     server_queue_ms: LatencyStats | None = Field(
         None, description="The server's queue time per request (meta_info.queue_time), when reported."
     )
-    slo: Slo = Field(description="The SLO verdict.")
+    slo: Slo = Field(
+        description="The SLO verdict; with classes, pass only when every class's verdict passes too."
+    )
+    classes: list[RequestClass] = Field(
+        default_factory=list,
+        description="Per SLO class (the profile's classes, in its order; then any other request_class of the "
+        "records, sorted); empty without classes (and in summaries written before classes).",
+    )
     records_source: Literal["records.parquet", "records.jsonl"] | None = Field(
         None, description="The records file write_report read; null without one (and from compute_summary)."
     )
-
-    # -- the flat latency keys on disk
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nest_latency(cls, data: Any) -> Any:
-        """``p99_ttft_ms`` and its siblings into ``ttft_ms: {p99: ...}``."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        for stem in LATENCY_STEMS:
-            flat = {stat: f"{stat}_{stem}" for stat in STATS}
-            found = {stat: data.pop(key) for stat, key in flat.items() if key in data}
-            if found:
-                if stem in data:
-                    raise ValueError(f"{stem}: given both nested and as flat keys")
-                data[stem] = found
-        return data
-
-    def _reshape(self, out: dict[str, Any]) -> dict[str, Any]:
-        flat: dict[str, Any] = {}
-        for key, value in out.items():
-            if key in LATENCY_STEMS:
-                if value is not None:  # an absent metric (open loop only, ...) has no keys at all
-                    flat.update({f"{stat}_{key}": value[stat] for stat in STATS})
-            else:
-                flat[key] = value
-        return flat
-
-    @model_validator(mode="after")
-    def _stats_match_samples(self) -> Summary:
-        for stem in LATENCY_STEMS:
-            if (getattr(self, stem) is None) != (getattr(self.samples, stem) is None):
-                raise ValueError(f"{stem}: statistics and samples.{stem} must be both present or both absent")
-        return self
 
     # -- save and load
 
@@ -451,6 +502,6 @@ def _is_stats(annotation: Any) -> bool:
     return annotation is LatencyStats or LatencyStats in typing.get_args(annotation)
 
 
-# The latency metrics (Summary fields holding LatencyStats) and the statistics of each, in order.
+# The latency metrics (fields holding LatencyStats) and the statistics of each, in order.
 LATENCY_STEMS: tuple[str, ...] = tuple(n for n, f in Summary.model_fields.items() if _is_stats(f.annotation))
 STATS: tuple[str, ...] = tuple(LatencyStats.model_fields)

@@ -17,7 +17,9 @@ MAX_ERROR_TEXT = 300
 
 
 def build_body(api: str, spec, renderer, model: str | None, rid: str) -> tuple[str, bytes]:
-    """Returns (path, JSON body) for one request spec on the given API."""
+    """Returns (path, JSON body) for one request spec on the given API. A class's carry goes in the body: its
+    ``priority`` (SGLang's field; the profile refuses it with chat, where the router drops it) and its
+    ``model`` in place of the run's."""
     if api == "generate":
         body = {
             "input_ids": renderer.token_ids(spec.input_ids),
@@ -31,7 +33,7 @@ def build_body(api: str, spec, renderer, model: str | None, rid: str) -> tuple[s
         }
     else:
         body = {
-            "model": model,
+            "model": spec.model if spec.model is not None else model,
             "max_tokens": spec.max_new_tokens,
             "ignore_eos": True,
             "temperature": 0.0,
@@ -45,7 +47,16 @@ def build_body(api: str, spec, renderer, model: str | None, rid: str) -> tuple[s
             body["prompt"] = text
         else:
             body["messages"] = [{"role": "user", "content": text}]
+    if spec.priority is not None:
+        body["priority"] = spec.priority
     return API_PATHS[api], orjson.dumps(body)
+
+
+def class_headers(spec) -> dict[str, str] | None:
+    """The request headers that carry a spec's class (``x-request-id-...: <class name>``), or None."""
+    if spec.class_header is None or spec.request_class is None:
+        return None
+    return {spec.class_header: spec.request_class}
 
 
 @dataclass(slots=True)

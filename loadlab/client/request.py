@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from loadlab.client.protocol import META_KEY, build_body, decode_stream, error_from_body
+from loadlab.client.protocol import META_KEY, build_body, class_headers, decode_stream, error_from_body
 from loadlab.client.stream import Exchange, StreamingClient
 from loadlab.records import CANCELLED, HTTP_ERROR, OK, PROTOCOL_ERROR, RequestRecord
 
@@ -18,7 +18,8 @@ def send(
 ) -> None:
     """Streams one request into ``ex`` (the caller owns it, so a cancelled request still has its data)."""
     path, body = build_body(api, spec, renderer, model, rid)
-    client.post_stream(path, body, ex, keep_from=META_KEY if api == "generate" else None)
+    keep_from = META_KEY if api == "generate" else None
+    client.post_stream(path, body, ex, keep_from=keep_from, headers=class_headers(spec))
 
 
 def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id: int, cancelled=False):
@@ -34,6 +35,7 @@ def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id:
         input_len=spec.input_len,
         max_new_tokens=spec.max_new_tokens,
         prefix_group=spec.prefix_group,
+        request_class=spec.request_class,
         served_by=ex.served_by,
         status_source=ex.status_source,
     )

@@ -83,19 +83,28 @@ class StreamingClient:
             self._http.close()
             self._http = None
 
-    def post_stream(self, path: str, body: bytes, ex: Exchange, keep_from: bytes | None = None) -> Exchange:
+    def post_stream(
+        self,
+        path: str,
+        body: bytes,
+        ex: Exchange,
+        keep_from: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Exchange:
         """Sends the request and reads the whole stream into ``ex``, timing each line on receipt.
 
         ``keep_from``: keep each line only from the last occurrence of these bytes on (native SGLang
         events repeat the whole output so far before ``"meta_info":``; keeping only the tail makes memory
-        linear in the output length instead of quadratic)."""
+        linear in the output length instead of quadratic). ``headers``: extra request headers (a class's).
+        """
+        sent_headers = {**HEADERS, **headers} if headers else HEADERS
         deadline = gevent.Timeout(self.timeout_s)
         deadline.start()
         ex.t_send_wall = time.time()
         ex.t_send = time.perf_counter()
         try:
             try:
-                resp = self._client().request("POST", self.base_path + path, body=body, headers=HEADERS)
+                resp = self._client().request("POST", self.base_path + path, body=body, headers=sent_headers)
             except TimeoutError:
                 return self._fail(
                     ex, TIMEOUT, f"no response headers within {self._args['network_timeout']:g} s"

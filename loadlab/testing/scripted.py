@@ -39,7 +39,9 @@ request got. Cases (see ``CASES``):
 
 The log (``--log``) gets one JSON line per request, flushed when the request ends:
 ``{"id", "case", "api", "rid", "status", "recv_wall", "write_wall": [...], "tokens": [...],
-"max_buffered", "completed"}``. ``write_wall[j]`` / ``tokens[j]`` describe the j-th token-carrying event
+"max_buffered", "completed", "priority", "class_headers"}``; ``priority`` is the body's (null without
+one), ``class_headers`` the request's ``x-request-id-...`` headers (the ones a router forwards), by lower-case
+name. ``write_wall[j]`` / ``tokens[j]`` describe the j-th token-carrying event
 (the one the client records as ``arrival_ms[j]`` / ``arrival_tokens[j]``): the time right after the
 event's write (for ``split``, the write that completed the event's first data line); ``max_buffered`` is the
 largest number of bytes asyncio still held after a write (0 means every write went straight to the
@@ -134,7 +136,7 @@ class Server:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 keep_alive = headers.get("connection", "").lower() != "close"
-                keep_alive = await self.route(method, target, body, reader, writer, keep_alive)
+                keep_alive = await self.route(method, target, body, reader, writer, keep_alive, headers)
                 if not keep_alive or writer.is_closing():
                     return
         except Exception as e:  # a bug here must not kill the server; say it on stderr
@@ -148,7 +150,7 @@ class Server:
         with contextlib.suppress(ConnectionError):
             await writer.drain()
 
-    async def route(self, method, target, body, reader, writer, keep_alive) -> bool:
+    async def route(self, method, target, body, reader, writer, keep_alive, headers=None) -> bool:
         """Answers one request; returns whether the connection stays open."""
         case, path = _split_case(target.split("?", 1)[0])
         names = case.split("+")
@@ -184,7 +186,9 @@ class Server:
         if case == "notsse":
             await self._send_simple(writer, 200, {"text": "not a stream", "meta_info": {}}, keep_alive)
             return keep_alive
-        return await Exchange(self, case, api[path], req, reader, writer).run(keep_alive)
+        exchange = Exchange(self, case, api[path], req, reader, writer)
+        exchange.class_headers = {k: v for k, v in (headers or {}).items() if k.startswith("x-request-id-")}
+        return await exchange.run(keep_alive)
 
     def get_payload(self, path: str, case: str):
         if path in ("/server_info", "/get_server_info"):
@@ -246,6 +250,7 @@ class Exchange:
         self.max_buffered = 0
         self.status = 200
         self.completed = False
+        self.class_headers: dict[str, str] = {}
         self.eol = b"\r\n" if case == "crlf" else b"\n"
         self.token_text = SPLIT_TOKEN_TEXT if case == "split" else TOKEN_TEXT
         self.created = int(self.recv_wall)
@@ -302,6 +307,8 @@ class Exchange:
                     "tokens": self.tokens,
                     "max_buffered": self.max_buffered,
                     "completed": self.completed,
+                    "priority": self.req.get("priority"),
+                    "class_headers": self.class_headers,
                 }
             )
 

@@ -13,12 +13,15 @@ Prompts are sequences of word ids (indices into ``loadlab.workload.words.WORDS``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from loadlab.profile import (
+    ClassConfig,
     Profile,
     ProfileError,
     RagWorkloadConfig,
@@ -40,6 +43,9 @@ _SALT_GSP_QUESTION_LEAD = 24
 _SALT_GSP_GROUP = 25
 _SALT_RP_LEAD = 31
 _SALT_RP_REQUEST = 32
+_SALT_CLASS_WARMUP = 41
+_SALT_CLASS_MEASURED = 42
+_SALT_CLASS_BEYOND = 43
 
 # Upper bound on shared material cached per process, in tokens (int32: 4 bytes each).
 _CACHE_TOKENS = 4 << 20
@@ -257,7 +263,110 @@ _GENERATORS: dict[str, type[WorkloadGenerator]] = {
 }
 
 
-def build_workload(profile: Profile) -> WorkloadGenerator:
+def quotas(shares: list[float], n: int) -> list[int]:
+    """Largest remainder: integer counts summing to ``n``, as close to ``share * n`` as integers can be
+    (ties to the class listed first)."""
+    exact = [share * n for share in shares]
+    counts = [math.floor(x + 1e-9) for x in exact]
+    order = sorted(range(len(shares)), key=lambda c: (-(exact[c] - counts[c]), c))
+    left = n - sum(counts)
+    for c in order[: max(0, left)]:
+        counts[c] += 1
+    for c in reversed(order):  # only if float slack overshot: take back from the smallest remainders
+        if sum(counts) <= n:
+            break
+        if counts[c] > 0:
+            counts[c] -= 1
+    return counts
+
+
+class _Phase:
+    """Class assignment over one phase's indices [start, start + n): exactly ``quotas`` of each class, by a
+    permutation of the phase's positions seeded by (seed, salt, n)."""
+
+    def __init__(self, seed_word: int, salt: int, start: int, n: int, shares: list[float]):
+        self.start, self.n = start, n
+        self._key = (seed_word, salt, n)
+        self._bounds = np.cumsum(quotas(shares, n)) if n else np.zeros(len(shares), dtype=np.int64)
+        self._perm: np.ndarray | None = None
+
+    def class_of(self, index: int) -> int:
+        if self._perm is None:  # made on first use: the warm-up of a sweep may never be asked for
+            self._perm = _rng(*self._key).permutation(self.n)
+        slot = int(self._perm[index - self.start])
+        return int(np.searchsorted(self._bounds, slot, side="right"))
+
+
+class ClassedWorkload:
+    """A profile with ``classes``: request i's class, then the spec of that class's workload.
+
+    The class of i is a pure function of (profile, seed, i): warm-up indices [0, warmup) and measured
+    indices [warmup, warmup + measured) are each split into exact largest-remainder quotas of the shares,
+    assigned to the phase's indices by a permutation seeded with (seed, salt, phase size); an index beyond
+    the fixed count (none in a normal run) draws its class from (seed, i, salt). The prompt is the class's
+    workload's ``spec(i)``: a class on the profile's workload sends what the profile alone would.
+    """
+
+    kind = "classes"
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self.seed = profile.seed
+        self._s = _seed_word(profile.seed)
+        self.classes: list[ClassConfig] = list(profile.classes or [])
+        shares = [c.share for c in self.classes]
+        self._cdf = np.cumsum(shares)
+        self._cdf[-1] = 1.0
+        base = _GENERATORS[profile.workload.kind](profile)
+        self.generators: list[WorkloadGenerator] = []
+        for c in self.classes:
+            if c.workload is None or c.workload == profile.workload:
+                self.generators.append(base)
+            else:
+                sub = profile.model_copy(update={"workload": c.workload})
+                self.generators.append(_GENERATORS[c.workload.kind](sub))
+        warmup, measured = profile.requests.warmup, profile.requests.measured
+        self._phases = (
+            _Phase(self._s, _SALT_CLASS_WARMUP, 0, warmup, shares),
+            _Phase(self._s, _SALT_CLASS_MEASURED, warmup, measured, shares),
+        )
+
+    def class_index(self, index: int) -> int:
+        """The position in ``classes`` of request ``index``'s class."""
+        for phase in self._phases:
+            if phase.start <= index < phase.start + phase.n:
+                return phase.class_of(index)
+        u = _rng(self._s, index, _SALT_CLASS_BEYOND).random()
+        return min(int(np.searchsorted(self._cdf, u, side="right")), len(self.classes) - 1)
+
+    def class_of(self, index: int) -> str:
+        return self.classes[self.class_index(index)].name
+
+    def spec(self, index: int) -> RequestSpec:
+        if isinstance(index, bool) or not isinstance(index, int | np.integer) or index < 0:
+            raise ValueError(f"request index must be a non-negative integer (got {index!r})")
+        index = int(index)
+        c = self.class_index(index)
+        cls = self.classes[c]
+        return dataclasses.replace(
+            self.generators[c].spec(index),
+            request_class=cls.name,
+            priority=cls.carry.priority,
+            class_header=cls.carry.header,
+            model=cls.carry.model,
+        )
+
+    def specs(self, indices: Iterable[int]) -> Iterator[RequestSpec]:
+        for i in indices:
+            yield self.spec(i)
+
+    def __repr__(self) -> str:
+        return f"<ClassedWorkload seed={self.seed} {[c.name for c in self.classes]}>"
+
+
+def build_workload(profile: Profile) -> WorkloadGenerator | ClassedWorkload:
     """The request-spec stream of a validated profile (raises ProfileError for combinations the
     schema cannot check alone)."""
+    if profile.classes:
+        return ClassedWorkload(profile)
     return _GENERATORS[profile.workload.kind](profile)

@@ -11,6 +11,12 @@ class RequestSpec:
     input_ids: tuple[int, ...]  # the prompt as token ids; native /generate sends these exactly
     max_new_tokens: int
     prefix_group: int | None = None  # requests sharing a deliberate prefix (system prompt, ...)
+    request_class: str | None = None  # the profile's SLO class of this request; None without classes
+    # How the class is carried to the server (the class's `carry`): SGLang's priority field, a header named
+    # x-request-id-... whose value is the class name, a served model name. None: not carried that way.
+    priority: int | None = None
+    class_header: str | None = None
+    model: str | None = None
 
     @property
     def input_len(self) -> int:
