@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -49,8 +49,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+CLASS_NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"  # a profile's classes[].name
+
+
 class District(_Strict):
-    """Workers of one kind: the same GPU, model and SGLang settings (later: the SLO class they serve)."""
+    """Workers of one kind: the same GPU, model and SGLang settings, and the SLO classes they serve."""
 
     name: str = Field(pattern=NAME_PATTERN, description="the district's name, unique in the cluster")
     workers: StrictInt = Field(1, gt=0, description="how many workers (twins) it has")
@@ -61,6 +64,21 @@ class District(_Strict):
         description="the workers' settings under SGLang's launch-flag names (e.g. max_running_requests: "
         "64), as a profile's target.embedded; enable_metrics is on unless set false",
     )
+    serves: list[Annotated[str, Field(pattern=CLASS_NAME_PATTERN)]] | None = Field(
+        None,
+        min_length=1,
+        description="the SLO classes (a profile's classes[].name) it serves; omni routes each class to the "
+        "districts serving it. Unset: any class (and requests without a class)",
+    )
+
+    @field_validator("serves")
+    @classmethod
+    def _unique(cls, serves: list[str] | None) -> list[str] | None:
+        if serves is not None:
+            dup = next((c for c in serves if serves.count(c) > 1), None)
+            if dup is not None:
+                raise ValueError(f"{dup!r} is named twice")
+        return serves
 
 
 class Front(_Strict):
@@ -191,6 +209,13 @@ def load_cluster(path: str | Path, as_target: bool = False) -> ClusterConfig:
             raise ClusterError(
                 f"{where(label, lines, [*loc, 'sglang'])}: districts.{i}.sglang: {e}"
             ) from None
+    serving = [i for i, d in enumerate(config.districts) if d.serves is not None]
+    if serving and config.front.kind != "omni":
+        i = serving[0]
+        raise ClusterError(
+            f"{where(label, lines, ['districts', str(i), 'serves'])}: districts.{i}.serves: routing by class "
+            f"needs front kind omni (this front is {config.front.kind}: every worker serves every class)"
+        )
     if as_target and config.front.kind == "none" and config.total_workers > 1:
         raise ClusterError(
             f"{where(label, lines, ['front', 'kind'])}: front.kind: a run aims at one URL, and a cluster "

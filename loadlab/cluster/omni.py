@@ -1,7 +1,8 @@
 """omni: loadlab's model of the seed's global scheduler, a real HTTP front (aiohttp) over SGLang workers.
 
     python -m loadlab.cluster.omni --host 127.0.0.1 --port 0 --policy NAME --poll-interval-s S \\
-        --queue-size N [--max-in-flight-per-worker K] WORKER_URL...
+        --queue-size N [--max-in-flight-per-worker K] [--class-header H] \\
+        (WORKER_URL... | --district NAME[:CLASS,...]=URL,URL... ...)
 
 prints ``loadlab-omni listening on http://HOST:PORT`` when it listens (``omni_process.READY_PREFIX``), logs
 to stderr, and stops on SIGTERM or SIGINT (exit 0); a bad flag is one line and exit 2.
@@ -20,8 +21,13 @@ to stderr, and stops on SIGTERM or SIGINT (exit 0); a bad flag is one line and e
   ``--queue-size`` waiting it gets 429, with no healthy worker 503. Every response omni produces itself
   carries ``x-loadlab-front: omni``.
 
-Room for SLO classes and districts: queues, queue sizes, round-robin cursors and worker pools are keyed by
-class (``SloClass``); today there is one class, ``default``, over every worker.
+- Districts and SLO classes: ``--district NAME[:CLASS,...]=URL,...`` groups workers; a district naming
+  classes serves only those, one without serves any. A request's class is the value of its class header
+  (``--class-header``, default ``x-request-id-class``, the header a profile's ``classes[].carry.header``
+  sets); it goes to a worker of a district serving it (the policy chooses among those), waiting in its
+  class's own bounded queue (``SloClass``). A request without the header, or naming a class no district
+  names, is class ``default``: the districts serving any class; with none, 400 ``unserved_class``.
+  Positional WORKER_URLs are one district, ``default``, serving any class.
 docs/cluster.md ("The omni front") is the user's description.
 """
 
@@ -34,6 +40,7 @@ import dataclasses
 import json
 import logging
 import random
+import re
 import signal
 import socket
 import sys
@@ -60,6 +67,7 @@ FRONT_VALUE = "omni"
 PROXIED = ("/generate", "/v1/completions", "/v1/chat/completions")
 FROM_A_WORKER = ("/v1/models", "/server_info", "/get_server_info", "/model_info", "/get_model_info")
 DEFAULT_CLASS = "default"
+CLASS_HEADER = "x-request-id-class"  # loadlab's profiles carry a class in it (classes[].carry.header)
 # Request headers passed to the worker (sglang-router's set, plus the body's content type).
 FORWARD_HEADERS = ("content-type", "authorization", "x-request-id", "x-correlation-id", "traceparent",
                    "tracestate")  # fmt: skip
@@ -71,8 +79,23 @@ PASSTHROUGH = "omni.passthrough"  # request key: the response is a worker's, not
 
 
 @dataclass(frozen=True)
+class DistrictSpec:
+    """A group of workers and the classes it serves (None: any class)."""
+
+    name: str
+    workers: tuple[str, ...]
+    serves: tuple[str, ...] | None = None
+
+    def arg(self) -> str:
+        """Its ``--district`` value."""
+        serves = "" if self.serves is None else ":" + ",".join(self.serves)
+        return f"{self.name}{serves}={','.join(self.workers)}"
+
+
+@dataclass(frozen=True)
 class OmniConfig:
-    """The front's settings (the command line's flags)."""
+    """The front's settings (the command line's flags). ``districts``: empty means one district,
+    ``default``, over ``workers``, serving any class."""
 
     workers: tuple[str, ...]
     policy: str = "round_robin"
@@ -85,6 +108,11 @@ class OmniConfig:
     prefix_len: int = 256
     params: PolicyParams = field(default_factory=PolicyParams)
     seed: int = 0
+    districts: tuple[DistrictSpec, ...] = ()
+    class_header: str = CLASS_HEADER
+
+    def district_specs(self) -> tuple[DistrictSpec, ...]:
+        return self.districts or (DistrictSpec(DEFAULT_CLASS, tuple(self.workers)),)
 
 
 class Reject(Exception):
@@ -102,9 +130,10 @@ class _ConnectFailed(Exception):
 class Worker:
     """One worker's state: health, omni's own counts, the last poll's signals."""
 
-    def __init__(self, index: int, url: str):
+    def __init__(self, index: int, url: str, district: str = DEFAULT_CLASS):
         self.index = index
         self.url = url.rstrip("/")
+        self.district = district
         self.up = False
         self.down_reason = "not polled yet"
         self.in_flight = 0
@@ -187,10 +216,21 @@ class _Metrics:
             self.routed.labels(url)
             for result in ("ok", "failed"):
                 self.polls.labels(url, result)
-        for reason in ("queue_full", "no_healthy_worker", "worker_error"):
+        self.class_received = Counter("omni_class_requests", "Requests received, by the SLO class omni "
+                                      "gave them.", ["slo_class"], registry=r)  # fmt: skip
+        self.class_routed = Counter("omni_class_routed", "Requests of each class sent to a worker of each "
+                                    "district.", ["slo_class", "district"], registry=r)  # fmt: skip
+        self.class_rejects = Counter("omni_class_rejects", "Requests of each class omni answered itself, by "
+                                     "reason.", ["slo_class", "reason"], registry=r)  # fmt: skip
+        for reason in ("queue_full", "no_healthy_worker", "worker_error", "unserved_class"):
             self.rejects.labels(reason)
-        for cls in omni.classes:
-            self.queue_wait.labels(cls)
+        for cls in omni.classes.values():
+            self.queue_wait.labels(cls.name)
+            self.class_received.labels(cls.name)
+            for reason in ("queue_full", "no_healthy_worker", "worker_error"):
+                self.class_rejects.labels(cls.name, reason)
+            for d in dict.fromkeys(w.district for w in cls.workers):
+                self.class_routed.labels(cls.name, d)
 
         class _State:
             def collect(self):
@@ -264,12 +304,13 @@ class Omni:
 
     def __init__(self, config: OmniConfig):
         self.config = config
-        self.workers = [Worker(i, url) for i, url in enumerate(config.workers)]
+        self.districts = config.district_specs()
+        self.workers = [Worker(i, url, d.name) for i, (d, url) in
+                        enumerate((d, url) for d in self.districts for url in d.workers)]  # fmt: skip
         for w in self.workers:
             w.limit_flag = config.max_in_flight_per_worker
-        self.classes: dict[str, SloClass] = {
-            DEFAULT_CLASS: SloClass(DEFAULT_CLASS, config.queue_size, list(self.workers))
-        }
+        self.class_header = config.class_header
+        self.classes = _classes(self.districts, self.workers, config.queue_size)
         self.rng = random.Random(config.seed)
         self.needs_key = config.policy == "prefix"
         self.metrics = _Metrics(self)
@@ -399,8 +440,16 @@ class Omni:
 
     # -- the queue ----------------------------------------------------------------------------------------
     def _classify(self, request: web.Request) -> SloClass:
-        """The request's SLO class (one class today)."""
-        return self.classes[DEFAULT_CLASS]
+        """The request's SLO class: its class header's value when a district names that class, else
+        ``default`` (the districts serving any class). Raises Reject 400 when no district serves it."""
+        name = request.headers.get(self.class_header, "").strip()
+        c = self.classes.get(name) or self.classes.get(DEFAULT_CLASS)
+        if c is None:
+            what = f"class {name!r}" if name else f"a request without a {self.class_header} header"
+            served = "; ".join(f"{d.name} serves {', '.join(d.serves or ())}" for d in self.districts)
+            raise Reject(400, "unserved_class", f"omni: no district serves {what} ({served})",
+                         slo_class=name or None)  # fmt: skip
+        return c
 
     def _pick(self, c: SloClass, key: bytes | None) -> Worker | None:
         """The policy's choice among the class's workers with room, counted as in flight there."""
@@ -413,6 +462,7 @@ class Omni:
         w.in_flight += 1
         w.routed += 1
         self.metrics.routed.labels(w.url).inc()
+        self.metrics.class_routed.labels(c.name, w.district).inc()
         return w
 
     def _release(self, w: Worker) -> None:
@@ -435,8 +485,7 @@ class Omni:
                 waiter.future.set_result(w)
 
     def _no_worker(self, c: SloClass) -> Reject:
-        down = "; ".join(f"{w.url}: {w.down_reason}" for w in c.workers)
-        return Reject(503, "no_healthy_worker", f"omni: no healthy worker ({down})")
+        return _no_worker(c.workers, c.name)
 
     def _fail_waiters(self, c: SloClass) -> None:
         while c.queue:
@@ -456,8 +505,9 @@ class Omni:
                 return w
         if len(c.queue) >= c.queue_size and not retry:
             n = len(c.queue)
-            raise Reject(429, "queue_full", f"omni: the queue is full ({n} waiting, --queue-size "
-                         f"{c.queue_size}; every healthy worker at its in-flight limit)", waiting=n)  # fmt: skip
+            raise Reject(429, "queue_full", f"omni: class {c.name!r}: the queue is full ({n} waiting, "
+                         f"--queue-size {c.queue_size}; every healthy worker of its districts at its in-flight "
+                         f"limit)", waiting=n, slo_class=c.name)  # fmt: skip
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop.create_future(), key, loop.time())
         if retry:
@@ -490,7 +540,13 @@ class Omni:
         path = request.path
         self.metrics.received.labels(path).inc()
         body = await request.read()
-        c = self._classify(request)
+        try:
+            c = self._classify(request)
+        except Reject as r:
+            self.metrics.rejects.labels(r.reason).inc()
+            return _error(r.status, r.reason, r.message, **r.extra)
+        self.metrics.class_received.labels(c.name).inc()
+        request["omni.class"] = c.name
         key = self._key(path, body)
         headers = _forward_headers(request.headers)
         retry = False
@@ -499,6 +555,7 @@ class Omni:
                 w = await self._acquire(c, key, retry)
             except Reject as r:
                 self.metrics.rejects.labels(r.reason).inc()
+                self.metrics.class_rejects.labels(c.name, r.reason).inc()
                 return _error(r.status, r.reason, r.message, **r.extra)
             try:
                 return await self._forward(request, w, body, headers)
@@ -525,6 +582,7 @@ class Omni:
             self.metrics.proxy_errors.labels(w.url, "no_response").inc()
             self._mark_down(w, f"no response: {type(e).__name__}: {e}")
             self.metrics.rejects.labels("worker_error").inc()
+            self.metrics.class_rejects.labels(request.get("omni.class", DEFAULT_CLASS), "worker_error").inc()
             return _error(502, "worker_error", f"omni: worker {w.url} gave no response: {type(e).__name__}")
         self.metrics.responses.labels(w.url, str(up.status)).inc()
         request[PASSTHROUGH] = True
@@ -568,7 +626,7 @@ class Omni:
                     return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 self._mark_down(w, f"{request.path} failed: {type(e).__name__}")
-        r = self._no_worker(self.classes[DEFAULT_CLASS])
+        r = _no_worker(self.workers)
         self.metrics.rejects.labels(r.reason).inc()
         return _error(r.status, r.reason, r.message)
 
@@ -607,14 +665,40 @@ class Omni:
         out = []
         for w in self.workers:
             load = w.load()
-            out.append({"url": w.url, "up": w.up, "down_reason": None if w.up else w.down_reason,
+            out.append({"url": w.url, "district": w.district, "up": w.up, "down_reason": None if w.up else w.down_reason,
                         "in_flight": w.in_flight, "limit": w.limit, "routed": w.routed,
                         "max_running_requests": w.max_running, "signals": dataclasses.asdict(w.signals),
                         "signal_age_s": None if w.polled_at is None else round(now - w.polled_at, 4),
                         "estimate": {"total": load.total_est, "running": load.running_est,
                                      "waiting": load.waiting_est}})  # fmt: skip
         queues = {c.name: len(c.queue) for c in self.classes.values()}
-        return web.json_response({"policy": self.config.policy, "workers": out, "queues": queues})
+        classes = {c.name: sorted({w.district for w in c.workers}) for c in self.classes.values()}
+        districts = [{"name": d.name, "serves": None if d.serves is None else list(d.serves),
+                      "workers": list(d.workers)} for d in self.districts]  # fmt: skip
+        return web.json_response({"policy": self.config.policy, "workers": out, "queues": queues,
+                                  "districts": districts, "classes": classes})  # fmt: skip
+
+
+def _classes(
+    districts: Sequence[DistrictSpec], workers: list[Worker], queue_size: int
+) -> dict[str, SloClass]:
+    """Every class a district names, over the workers of the districts serving it (those naming it and
+    those serving any class); ``default`` over the districts serving any class, if there are any."""
+    names = list(dict.fromkeys(c for d in districts for c in d.serves or ()))
+    anyone = {d.name for d in districts if d.serves is None}
+    out = {}
+    for name in names:
+        ds = {d.name for d in districts if d.serves is None or name in d.serves}
+        out[name] = SloClass(name, queue_size, [w for w in workers if w.district in ds])
+    if anyone and DEFAULT_CLASS not in out:
+        out[DEFAULT_CLASS] = SloClass(DEFAULT_CLASS, queue_size, [w for w in workers if w.district in anyone])
+    return out
+
+
+def _no_worker(workers: Sequence[Worker], cls: str | None = None) -> Reject:
+    down = "; ".join(f"{w.url}: {w.down_reason}" for w in workers)
+    of = f" for class {cls!r}" if cls is not None and cls != DEFAULT_CLASS else ""
+    return Reject(503, "no_healthy_worker", f"omni: no healthy worker{of} ({down})")
 
 
 def _cut(request: web.Request) -> None:
@@ -635,6 +719,27 @@ def _worker_url(text: str) -> str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad port in worker URL {text!r}") from None
     return text.rstrip("/")
+
+
+_DISTRICT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_CLASS_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _district(text: str) -> DistrictSpec:
+    """``NAME[:CLASS,...]=URL,...``: a district, the classes it serves (none named: any), its workers."""
+    head, eq, urls = text.partition("=")
+    name, colon, classes = head.partition(":")
+    if not eq or not urls:
+        raise argparse.ArgumentTypeError(f"expected NAME[:CLASS,...]=URL,..., got {text!r}")
+    if not _DISTRICT_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(f"bad district name {name!r} in {text!r}")
+    serves = None
+    if colon:
+        serves = tuple(c.strip() for c in classes.split(","))
+        bad = [c for c in serves if not _CLASS_NAME.fullmatch(c)]
+        if bad:
+            raise argparse.ArgumentTypeError(f"bad class name {bad[0]!r} in {text!r}")
+    return DistrictSpec(name, tuple(_worker_url(u.strip()) for u in urls.split(",")), serves)
 
 
 def _port(text: str) -> int:
@@ -676,14 +781,41 @@ def build_parser() -> OneLineParser:
     p.add_argument("--seed", type=int, default=0, help="power_of_two's random choices (default: %(default)s)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level; logs go to stderr (default: %(default)s)")  # fmt: skip
-    p.add_argument("workers", nargs="+", type=_worker_url, metavar="WORKER_URL",
-                   help="the SGLang workers, e.g. http://127.0.0.1:30001")  # fmt: skip
+    p.add_argument("--district", action="append", type=_district, default=[], dest="districts",
+                   metavar="NAME[:CLASS,...]=URL,...",
+                   help="a district: its workers, and the SLO classes it serves (none named: any class); "
+                   "repeat for each district, instead of WORKER_URLs")  # fmt: skip
+    p.add_argument("--class-header", default=CLASS_HEADER, type=str.lower,
+                   help="the request header naming a request's SLO class (default: %(default)s)")  # fmt: skip
+    p.add_argument("workers", nargs="*", type=_worker_url, metavar="WORKER_URL",
+                   help="the SGLang workers, e.g. http://127.0.0.1:30001 (one district serving any class)")  # fmt: skip
     return p
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.workers and args.districts:
+        p.error("give WORKER_URLs or --district, not both")
+    if not args.workers and not args.districts:
+        p.error("the following arguments are required: WORKER_URL (or --district)")
+    names = [d.name for d in args.districts]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        p.error(f"--district {dup}: two districts of that name")
+    urls = [u for d in args.districts for u in d.workers] or args.workers
+    dup = next((u for u in urls if urls.count(u) > 1), None)
+    if dup:
+        p.error(f"worker {dup} is given twice")
+    return args
+
+
 def config_from_args(args: argparse.Namespace) -> OmniConfig:
+    districts = tuple(args.districts)
     return OmniConfig(
-        workers=tuple(args.workers),
+        workers=tuple(u for d in districts for u in d.workers) or tuple(args.workers),
+        districts=districts,
+        class_header=args.class_header,
         policy=args.policy,
         poll_interval_s=args.poll_interval_s,
         queue_size=args.queue_size,
@@ -715,6 +847,9 @@ async def serve(config: OmniConfig) -> None:
         log.info("omni: policy %s over %d workers (%d up), poll every %g s, queue %d, limit per worker %s",
                  config.policy, len(omni.workers), up, config.poll_interval_s, config.queue_size,
                  config.max_in_flight_per_worker or "max_running_requests")  # fmt: skip
+        for c in omni.classes.values():
+            log.info("omni: class %s -> districts %s (%d workers)", c.name,
+                     ", ".join(dict.fromkeys(w.district for w in c.workers)), len(c.workers))  # fmt: skip
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -727,7 +862,7 @@ async def serve(config: OmniConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     config = config_from_args(args)
@@ -745,4 +880,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["Omni", "OmniConfig", "build_parser", "main", "serve"]
+__all__ = ["DistrictSpec", "Omni", "OmniConfig", "build_parser", "main", "parse_args", "serve"]

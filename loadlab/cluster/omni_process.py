@@ -2,7 +2,7 @@
 can import this without the front's dependencies).
 
 ``python -m loadlab.cluster.omni --host H --port P --policy NAME --poll-interval-s S --queue-size N
-[--max-in-flight-per-worker K] WORKER_URL...`` prints exactly one line, ``loadlab-omni listening on
+[--max-in-flight-per-worker K] (WORKER_URL... | --district NAME[:CLASS,...]=URL,... ...)`` prints exactly one line, ``loadlab-omni listening on
 http://HOST:PORT`` (``READY_PREFIX``; the real port, also with port 0), when it listens; SIGTERM or SIGINT
 stops it (exit 0); a bad flag is one line on stderr and exit 2.
 """
@@ -27,12 +27,20 @@ def omni_argv(
     host: str = "127.0.0.1",
     port: int = 0,
     extra: Sequence[str] = (),
+    districts: Sequence[tuple[str, Sequence[str], Sequence[str] | None]] = (),
 ) -> list[str]:
-    """The front's command line (``extra``: further flags, e.g. ``["--prefix-len", "64"]``)."""
+    """The front's command line (``extra``: further flags, e.g. ``["--prefix-len", "64"]``). ``districts``:
+    (name, worker URLs, classes served or None for any) each, as ``--district NAME[:CLASS,...]=URL,...``
+    instead of the positional ``workers``."""
     argv = [*OMNI, "--host", host, "--port", str(port), "--policy", policy,
             "--poll-interval-s", f"{poll_interval_s:g}", "--queue-size", str(queue_size)]  # fmt: skip
     if max_in_flight_per_worker is not None:
         argv += ["--max-in-flight-per-worker", str(max_in_flight_per_worker)]
+    if districts:
+        for name, urls, serves in districts:
+            classes = "" if serves is None else ":" + ",".join(serves)
+            argv += ["--district", f"{name}{classes}={','.join(urls)}"]
+        return [*argv, *extra]
     return [*argv, *extra, "--", *workers]
 
 
