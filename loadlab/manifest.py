@@ -35,6 +35,7 @@ class ClusterDistrictInfo(_Model):
     name: str = Field(description="the district's name")
     workers: int = Field(description="how many workers it has")
     settings: dict[str, Any] = Field(description="its workers' twin settings (SGLang names; gpu, model too)")
+    serves: list[str] | None = Field(None, description="the SLO classes it serves (None: any class)")
 
 
 class ClusterInfo(_Model):

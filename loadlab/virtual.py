@@ -38,8 +38,8 @@ from typing import Any
 
 from loadlab.analysis.report import write_report
 from loadlab.cluster.config import load_cluster, worker_settings
+from loadlab.cluster.policies import DEFAULT_CLASS, Snapshot, WorkerLoad, choose, class_districts, class_of
 from loadlab.cluster.policies import POLICIES as OMNI_POLICIES
-from loadlab.cluster.policies import Snapshot, WorkerLoad, choose
 from loadlab.load import Tickets, arrivals_for, describe_load
 from loadlab.manifest import (
     ClusterDistrictInfo,
@@ -166,7 +166,8 @@ class VirtualRun:
         self.workers = [_Worker(name, s) for name, s in zip(names, many, strict=True)]
         self.settings = many[0]
         self.front = make_front(front or FrontSpec(), self.workers, profile.seed)
-        self._front_queue: deque[tuple[int, str, float, float | None]] = deque()  # (index, phase, t, due)
+        # The front's queues, one per class it serves: (index, phase, t, due) each.
+        self._front_queues: dict[str, deque[tuple[int, str, float, float | None]]] = {}
         self.specs = _specs_for(profile)
         self.run_id = run_id
         self.epoch = epoch
@@ -221,13 +222,22 @@ class VirtualRun:
             self._waiting_sends.append((index, phase, due if due is not None else t))
             return
         spec = self.specs.get(index)
+        cls = self.front.queue_key(spec)
+        if cls is None:  # no district serves its class: the front's 400
+            self._record_rejected(
+                index, phase, t, due, spec, 400, f"no district serves class {spec.request_class!r}"
+            )
+            self._on_done(t, index, phase)
+            return
+        queue = self._front_queues.setdefault(cls, deque())
         chosen = self.front.choose(spec, t)
         if chosen is None:  # no worker has room: the request waits at the front, or is refused
-            if len(self._front_queue) >= self.front.queue_size:
-                self._record_rejected(index, phase, t, due, spec)
+            if len(queue) >= self.front.queue_size:
+                self._record_rejected(index, phase, t, due, spec, 429,
+                                      f"class {cls!r}: the front's queue is full ({len(queue)} waiting)")  # fmt: skip
                 self._on_done(t, index, phase)
             else:
-                self._front_queue.append((index, phase, t, due))
+                queue.append((index, phase, t, due))
                 self.in_flight += 1
             return
         self._dispatch(t, index, phase, due, spec, self.workers[chosen])
@@ -253,16 +263,17 @@ class VirtualRun:
         self.in_flight += 1
 
     def _drain_front_queue(self, now: float) -> None:
-        """A worker has room again: the front's waiting requests go out in order while they can."""
-        while self._front_queue:
-            index, phase, t, due = self._front_queue[0]
-            spec = self.specs.get(index)
-            chosen = self.front.choose(spec, now)
-            if chosen is None:
-                return
-            self._front_queue.popleft()
-            self.in_flight -= 1  # counted again by _dispatch
-            self._dispatch(t, index, phase, due, spec, self.workers[chosen])
+        """A worker has room again: each class's waiting requests go out in order while they can."""
+        for queue in self._front_queues.values():
+            while queue:
+                index, phase, t, due = queue[0]
+                spec = self.specs.get(index)
+                chosen = self.front.choose(spec, now)
+                if chosen is None:
+                    break
+                queue.popleft()
+                self.in_flight -= 1  # counted again by _dispatch
+                self._dispatch(t, index, phase, due, spec, self.workers[chosen])
 
     def _on_done(self, t: float, index: int, phase: str) -> None:
         opened = self.tickets.finished(phase)
@@ -302,11 +313,11 @@ class VirtualRun:
             **fields,
         )
 
-    def _record_rejected(self, index, phase, t, due, spec) -> None:
-        """The front's own 429: its queue is full (as omni answers)."""
-        message = f"the front's queue is full ({len(self._front_queue)} waiting)"
-        self._write(self._request_record(index, phase, t, due, spec, outcome=HTTP_ERROR, http_status=429,
-                                         error=f"HTTP 429: {message}", e2e_ms=0.0,
+    def _record_rejected(self, index, phase, t, due, spec, status: int, message: str) -> None:
+        """The front's own answer (as omni answers): 429 its class's queue is full, 400 no district serves
+        its class."""
+        self._write(self._request_record(index, phase, t, due, spec, outcome=HTTP_ERROR, http_status=status,
+                                         error=f"HTTP {status}: {message}", e2e_ms=0.0,
                                          status_source=STATUS_FRONT))  # fmt: skip
 
     def _record_failure(self, index, phase, t, due, spec, status: int, message: str, worker: _Worker) -> None:
@@ -368,7 +379,7 @@ class VirtualRun:
                 if heap:
                     now = heap[0][0]
                     continue
-                if self.tickets.done and not self._waiting_sends and not self._front_queue:
+                if self.tickets.done and not self._waiting_sends and not any(self._front_queues.values()):
                     break
                 raise RuntimeError("virtual run stalled: requests remain but nothing can run")
             first = min(busy, key=lambda w: w.end)
@@ -384,7 +395,7 @@ class VirtualRun:
                 if r.state == DONE:
                     self._record(r)
                 self._on_done(now, r.handle[0], r.handle[1])
-            if self._front_queue:
+            if any(self._front_queues.values()):
                 self._drain_front_queue(now)
         self.t = now
 
@@ -423,6 +434,9 @@ class FrontSpec:
     policy: str = "round_robin"
     poll_interval_s: float = 0.5
     queue_size: int = 1024
+    # omni: (district name, its workers, the classes it serves or None for any), in the workers' order;
+    # empty: one district of every worker serving any class
+    districts: tuple[tuple[str, int, tuple[str, ...] | None], ...] = ()
 
 
 class _Front:
@@ -436,6 +450,10 @@ class _Front:
 
     def choose(self, spec, now: float) -> int | None:
         raise NotImplementedError
+
+    def queue_key(self, spec) -> str | None:
+        """The front queue a request waits in (its class), None when no worker may ever serve it."""
+        return DEFAULT_CLASS
 
     def finished(self, i: int) -> None:
         pass
@@ -503,7 +521,19 @@ class _Omni(_Front):
         self.routed = [0] * len(workers)
         self.polled: list[tuple[int, int, float, int]] = []  # (running, waiting, token_usage, in flight)
         self.next_poll = 0.0
-        self.cursor = 0
+        districts = spec.districts or ((DEFAULT_CLASS, len(workers), None),)
+        if sum(n for _, n, _ in districts) != len(workers):
+            raise ValueError(
+                f"omni: the districts have {sum(n for _, n, _ in districts)} workers, not {len(workers)}"
+            )
+        of = [name for name, n, _ in districts for _ in range(n)]
+        self.pools = class_districts([(name, serves) for name, _, serves in districts])
+        # Each class's workers (indices) and round-robin cursor: as the real omni's SloClass.
+        self.members = {c: [i for i, d in enumerate(of) if d in ds] for c, ds in self.pools.items()}
+        self.cursors = dict.fromkeys(self.pools, 0)
+
+    def queue_key(self, spec) -> str | None:
+        return class_of(self.pools, spec.request_class)
 
     def _poll(self, now: float) -> None:
         if now < self.next_poll and self.polled:
@@ -513,17 +543,21 @@ class _Omni(_Front):
         self.next_poll = (math.floor(now / self.interval) + 1) * self.interval
 
     def choose(self, spec, now):
+        cls = self.queue_key(spec)
+        if cls is None:
+            return None
         self._poll(now)
         loads = tuple(
             WorkerLoad(index=i, name=w.name, in_flight=self.in_flight[i], limit=w.settings.max_running_requests,
                        routed=self.routed[i], running=run, waiting=wait, token_usage=usage,
                        in_flight_at_poll=at_poll, max_running=w.settings.max_running_requests)
-            for i, (w, (run, wait, usage, at_poll)) in enumerate(zip(self.workers, self.polled, strict=True))
+            for i, (w, (run, wait, usage, at_poll)) in ((i, (self.workers[i], self.polled[i]))
+                                                        for i in self.members[cls])
         )  # fmt: skip
         key = b"i:" + ",".join(map(str, spec.prompt[:OMNI_PREFIX_LEN])).encode()
-        chosen = choose(self.policy, Snapshot(workers=loads, key=key, cursor=self.cursor), self.rng)
+        chosen = choose(self.policy, Snapshot(workers=loads, key=key, cursor=self.cursors[cls]), self.rng)
         if chosen is not None:
-            self.cursor = chosen + 1
+            self.cursors[cls] = chosen + 1
             self.in_flight[chosen] += 1
             self.routed[chosen] += 1
         return chosen
@@ -631,10 +665,13 @@ def run_virtual(
 def _cluster_workers(config, path: str, overrides: dict[str, Any]):
     """A cluster file's workers for the virtual clock: names ``district-i``, resolved settings (the
     district's, with ``overrides`` on top), the front, and what the manifest records of the cluster."""
-    names, many, workers, districts = [], [], [], []
+    names, many, workers, districts, routes = [], [], [], [], []
     for d in config.districts:
+        routes.append((d.name, d.workers, None if d.serves is None else tuple(d.serves)))
         district_settings = {**worker_settings(d), **overrides}
-        districts.append(ClusterDistrictInfo(name=d.name, workers=d.workers, settings=district_settings))
+        districts.append(
+            ClusterDistrictInfo(name=d.name, workers=d.workers, settings=district_settings, serves=d.serves)
+        )
         for i in range(d.workers):
             names.append(f"{d.name}-{i}")
             many.append(resolve_settings(district_settings))
@@ -643,7 +680,8 @@ def _cluster_workers(config, path: str, overrides: dict[str, Any]):
     if f.kind == "none" and len(many) > 1:
         raise ValueError(f"{path}: front kind none: a virtual run needs a front for {len(many)} workers")
     front = FrontSpec(kind="omni" if f.kind == "omni" else "router", policy=f.policy or "round_robin",
-                      poll_interval_s=f.poll_interval_s or 0.5, queue_size=f.queue_size or 1024)  # fmt: skip
+                      poll_interval_s=f.poll_interval_s or 0.5, queue_size=f.queue_size or 1024,
+                      districts=tuple(routes) if f.kind == "omni" else ())  # fmt: skip
     info = ClusterInfo(file=path, name=config.name, front_kind=f.kind, policy=f.policy, front_url=None,
                        workers=workers, districts=districts, workers_per_process=config.workers_per_process)  # fmt: skip
     return names, many, front, info

@@ -173,3 +173,48 @@ def test_cluster_file_serves_is_checked(tmp_path):
         load("districts:\n  - name: a\n    serves: [x, x]\nfront:\n  kind: omni\n")
     with pytest.raises(ClusterError, match="serves"):
         load("districts:\n  - name: a\n    serves: []\nfront:\n  kind: omni\n")
+
+
+# -- the same on the virtual clock ------------------------------------------------------------------------
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def _virtual(tmp_path, layout: str, cluster=None, measured: int = 150):
+    from loadlab.profile import load_profile
+    from loadlab.records import load_records
+    from loadlab.virtual import run_virtual
+
+    profile = load_profile(REPO / "profiles" / f"omni-{layout}.yaml")
+    profile = profile.model_copy(update={"requests": profile.requests.model_copy(update={"warmup": 10,
+                                                                                         "measured": measured})})  # fmt: skip
+    run = run_virtual(profile, None, tmp_path, cluster=cluster or REPO / "clusters" / f"omni-{layout}.yaml")
+    return run, load_records(run)
+
+
+def _served(records) -> dict:
+    rows = records[records.phase == "measure"].to_dict("records")
+    return Counter((r["request_class"], None if r["served_by"] != r["served_by"] else r["served_by"],
+                    int(r["http_status"])) for r in rows)  # fmt: skip
+
+
+def test_virtual_split_routes_each_class_to_its_district_and_enlarge_spreads_both(tmp_path):
+    _, split = _virtual(tmp_path, "split")
+    got = _served(split)
+    assert {(c, w) for c, w, _ in got} == {("online", "online-0"), ("offline", "offline-0")}, got
+    assert {s for _, _, s in got} == {200}
+    _, enlarge = _virtual(tmp_path, "enlarge")
+    got = _served(enlarge)
+    assert {(c, w) for c, w, _ in got} == {(c, f"pool-{i}") for c in ("online", "offline") for i in (0, 1)}, (
+        got
+    )
+
+
+def test_virtual_class_no_district_serves_is_the_fronts_400(tmp_path):
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("districts:\n  - name: online\n    serves: [online]\nfront:\n  kind: omni\n")
+    run, records = _virtual(tmp_path, "split", cluster, measured=60)
+    got = _served(records)
+    assert {(c, s) for c, _, s in got} == {("online", 200), ("offline", 400)}, got
+    assert all(w is None for c, w, _ in got if c == "offline")
+    summary = json.loads((run / "summary.json").read_text())
+    assert {c["name"]: c["slo"]["pass"] for c in summary["classes"]}["offline"] is False

@@ -56,7 +56,17 @@ from multidict import CIMultiDict
 from loadlab import exits
 from loadlab.cliargs import OneLineParser, non_negative, positive
 from loadlab.cluster.omni_process import READY_PREFIX
-from loadlab.cluster.policies import POLICIES, PolicyParams, Snapshot, WorkerLoad, choose, prompt_prefix
+from loadlab.cluster.policies import (
+    DEFAULT_CLASS,
+    POLICIES,
+    PolicyParams,
+    Snapshot,
+    WorkerLoad,
+    choose,
+    class_districts,
+    class_of,
+    prompt_prefix,
+)
 from loadlab.cluster.signals import Signals, combine, parse_get_load, parse_metrics
 
 log = logging.getLogger("loadlab.omni")
@@ -66,7 +76,6 @@ FRONT_HEADER = "x-loadlab-front"
 FRONT_VALUE = "omni"
 PROXIED = ("/generate", "/v1/completions", "/v1/chat/completions")
 FROM_A_WORKER = ("/v1/models", "/server_info", "/get_server_info", "/model_info", "/get_model_info")
-DEFAULT_CLASS = "default"
 CLASS_HEADER = "x-request-id-class"  # loadlab's profiles carry a class in it (classes[].carry.header)
 # Request headers passed to the worker (sglang-router's set, plus the body's content type).
 FORWARD_HEADERS = ("content-type", "authorization", "x-request-id", "x-correlation-id", "traceparent",
@@ -310,7 +319,9 @@ class Omni:
         for w in self.workers:
             w.limit_flag = config.max_in_flight_per_worker
         self.class_header = config.class_header
-        self.classes = _classes(self.districts, self.workers, config.queue_size)
+        self._pools = class_districts([(d.name, d.serves) for d in self.districts])
+        self.classes = {name: SloClass(name, config.queue_size, [w for w in self.workers if w.district in ds])
+                        for name, ds in self._pools.items()}  # fmt: skip
         self.rng = random.Random(config.seed)
         self.needs_key = config.policy == "prefix"
         self.metrics = _Metrics(self)
@@ -443,13 +454,13 @@ class Omni:
         """The request's SLO class: its class header's value when a district names that class, else
         ``default`` (the districts serving any class). Raises Reject 400 when no district serves it."""
         name = request.headers.get(self.class_header, "").strip()
-        c = self.classes.get(name) or self.classes.get(DEFAULT_CLASS)
-        if c is None:
+        served_as = class_of(self._pools, name)
+        if served_as is None:
             what = f"class {name!r}" if name else f"a request without a {self.class_header} header"
             served = "; ".join(f"{d.name} serves {', '.join(d.serves or ())}" for d in self.districts)
             raise Reject(400, "unserved_class", f"omni: no district serves {what} ({served})",
                          slo_class=name or None)  # fmt: skip
-        return c
+        return self.classes[served_as]
 
     def _pick(self, c: SloClass, key: bytes | None) -> Worker | None:
         """The policy's choice among the class's workers with room, counted as in flight there."""
@@ -677,22 +688,6 @@ class Omni:
                       "workers": list(d.workers)} for d in self.districts]  # fmt: skip
         return web.json_response({"policy": self.config.policy, "workers": out, "queues": queues,
                                   "districts": districts, "classes": classes})  # fmt: skip
-
-
-def _classes(
-    districts: Sequence[DistrictSpec], workers: list[Worker], queue_size: int
-) -> dict[str, SloClass]:
-    """Every class a district names, over the workers of the districts serving it (those naming it and
-    those serving any class); ``default`` over the districts serving any class, if there are any."""
-    names = list(dict.fromkeys(c for d in districts for c in d.serves or ()))
-    anyone = {d.name for d in districts if d.serves is None}
-    out = {}
-    for name in names:
-        ds = {d.name for d in districts if d.serves is None or name in d.serves}
-        out[name] = SloClass(name, queue_size, [w for w in workers if w.district in ds])
-    if anyone and DEFAULT_CLASS not in out:
-        out[DEFAULT_CLASS] = SloClass(DEFAULT_CLASS, queue_size, [w for w in workers if w.district in anyone])
-    return out
 
 
 def _no_worker(workers: Sequence[Worker], cls: str | None = None) -> Reject:

@@ -185,6 +185,30 @@ POLICIES: dict[str, Policy] = {
 }
 
 
+DEFAULT_CLASS = "default"  # the class of a request without one (or naming a class no district names)
+
+
+def class_districts(districts: Sequence[tuple[str, Sequence[str] | None]]) -> dict[str, list[str]]:
+    """Which districts serve each class, from (district name, classes it serves or None for any) each:
+    every class a district names, over the districts naming it and those serving any class; ``default``
+    (a request without a class, or of a class no district names) over the districts serving any class,
+    when there are such. A class missing here is served by no district. Districts in the given order."""
+    names = list(dict.fromkeys(c for _, serves in districts for c in serves or ()))
+    out = {n: [d for d, serves in districts if serves is None or n in serves] for n in names}
+    anyone = [d for d, serves in districts if serves is None]
+    if anyone and DEFAULT_CLASS not in out:
+        out[DEFAULT_CLASS] = anyone
+    return out
+
+
+def class_of(pools: dict[str, list[str]], name: str | None) -> str | None:
+    """The class a request named ``name`` (None: no class) is served as: its own when a district names it,
+    else ``default`` when some district serves any class, else None (no district serves it)."""
+    if name and name in pools:
+        return name
+    return DEFAULT_CLASS if DEFAULT_CLASS in pools else None
+
+
 def choose(policy: str, snap: Snapshot, rng: random.Random, params: PolicyParams | None = None) -> int | None:
     """The index of the worker ``policy`` sends the request to, or None when no worker has room (the
     request waits, or is refused when no worker is up)."""

@@ -52,7 +52,9 @@ class EmbeddedCluster(ReadyLineProcess):
             front_url=self.ready.get("front"),
             workers=[ClusterWorkerInfo(**w) for w in self.ready.get("workers", [])],
             districts=[
-                ClusterDistrictInfo(name=d.name, workers=d.workers, settings=worker_settings(d))
+                ClusterDistrictInfo(
+                    name=d.name, workers=d.workers, settings=worker_settings(d), serves=d.serves
+                )
                 for d in self.config.districts
             ],
             workers_per_process=self.config.workers_per_process,
