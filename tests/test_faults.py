@@ -245,7 +245,11 @@ class FrontWatch:
         if self.kind == "omni":
             with urllib.request.urlopen(self.front_url + "/omni/workers", timeout=5) as r:
                 state = next(w for w in json.load(r)["workers"] if w["url"] == self.worker)
-            return {"routing": bool(state["up"]), "attempts": state["routed"]}
+            return {
+                "routing": bool(state["up"]),
+                "attempts": state["routed"],
+                "why": state.get("down_reason"),
+            }
         m = _metrics(self.router_metrics)
         me = ("worker", self.worker)
         return {"routing": m.get(("smg_worker_cb_state", me), 0) == 0,  # 0: closed, the worker gets requests
@@ -388,6 +392,85 @@ def test_a_worker_killed_mid_run(tmp_path, kind, policy):
         f"{summary.front_failures}; it stopped routing there after {t_stopped - t_kill:.2f} s and "
         f"{at_stop['attempts'] - before[-1]['attempts']:g} attempts there"
         + (f" (retries {at_stop['retries'] - before[-1]['retries']:g})" if kind == "router" else "")
+        + (f" ({at_stop['why']})" if kind == "omni" else "")
         + f"; unreachable_from {dead.unreachable_from - t_kill:+.2f} s after the kill; "
         f"{len(after)} requests after the kill, all ok, on {sorted(Counter(after.served_by).values())}"
     )
+
+
+def test_the_launcher_serves_on_when_a_worker_dies_and_stops_when_the_front_does(tmp_path):
+    from test_cluster import LaunchedCluster, _generate, _wait_gone
+
+    (tmp_path / "c.yaml").write_text(CLUSTER.format(kind="router", policy="round_robin"))
+    cluster = LaunchedCluster(tmp_path / "c.yaml")
+    try:
+        ready = cluster.ready
+        urls = [w["url"] for w in ready["workers"]]
+        children = {p.pid for p in _descendants(cluster.proc.pid)}
+        os.kill(_listening_pid(cluster.proc.pid, int(urls[0].rsplit(":", 1)[1])), signal.SIGKILL)
+        time.sleep(1.5)  # the launcher checks its children every 0.2 s
+        assert cluster.proc.poll() is None  # still serving
+        served = Counter(  # through the router, by the two left (it retries what it sends to the dead one)
+            _generate(ready["front"], f"after the death {i}")["meta_info"]["completion_tokens"]
+            for i in range(6)
+        )
+        assert served == {4: 6}
+        deaths = [line for line in cluster.stderr if "was killed by SIGKILL" in line]
+        line = f"worker {urls[0]} (main) was killed by SIGKILL; the cluster keeps serving with 2 of 3 workers"
+        assert len(deaths) == 1 and line in deaths[0], deaths
+        # Without its front nothing reaches the workers: the launcher stops them and exits 1.
+        front = _listening_pid(cluster.proc.pid, int(ready["front"].rsplit(":", 1)[1]))
+        os.kill(front, signal.SIGKILL)
+        assert cluster.proc.wait(30) == 1
+        assert any(
+            "the front (router) was killed by SIGKILL; stopping the cluster" in line
+            for line in cluster.stderr
+        )
+        assert _wait_gone(children, 15) == set()
+    finally:
+        cluster.kill()
+
+
+def test_every_worker_killed_the_run_goes_on_and_the_routers_own_errors_are_front_failures(tmp_path):
+    measured = 240
+    proc, stderr = _start_run(tmp_path, "router", "round_robin", measured)
+    try:
+        run_dir = _wait_for_records(proc, tmp_path, WARMUP + measured // 4)
+        from loadlab.manifest import read_manifest
+
+        workers = [w.url for w in read_manifest(run_dir).target.cluster.workers]
+        pids = [_listening_pid(proc.pid, int(url.rsplit(":", 1)[1])) for url in workers]
+        t_kill = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        stderr.close()
+    log = (tmp_path / "run.stderr").read_text()
+    assert proc.returncode == 0, log[-4000:]  # failed requests are data: the run completed
+    assert sum("was killed by SIGKILL" in line for line in log.splitlines()) == 3
+    from loadlab.records import load_records
+
+    records = load_records(run_dir)
+    assert sorted(records["index"]) == list(range(WARMUP + measured))  # one record per ticket
+    after = records[records.t_send_wall > t_kill + 0.05]
+    assert len(after) > measured // 2
+    # Every request after the kill failed at the router: its 500 (every retry failed) or its 503 (every
+    # circuit open), marked x-smg-error-code, so status_source front, no worker named.
+    assert (after.outcome == "http_error").all() and (after.status_source == "front").all()
+    assert after.served_by.isna().all() and set(after.http_status) <= {500, 503}
+    summary = Summary.read(run_dir)
+    front = records[(records.status_source == "front") & (records.phase == "measure")]
+    assert summary.front_failed == len(front) >= len(after)
+    assert summary.front_failures == {str(k): v for k, v in sorted(Counter(front.http_status).items())}
+    assert all(w.unreachable_from is not None and w.unreachable_from > t_kill for w in summary.workers)
+    assert len(summary.workers) == 3
+    md = (run_dir / "summary.md").read_text()
+    assert sum(line.startswith("> **Worker ") for line in md.splitlines()) == 3
+    assert (
+        f"- Failed at the front (answered by the front itself, never by a worker): {len(front)} (HTTP " in md
+    )
+    print(f"\nall killed: {len(after)} requests after the kill, front failures {summary.front_failures}")
