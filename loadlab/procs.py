@@ -73,8 +73,8 @@ class ReadyLineProcess:
     twin and the scripted test server do), or ``ready_lines`` of them (a process serving several twins).
     ``start`` returns the (first) URL, ``urls`` has them all; the child's output is drained from then on
     (stderr kept for diagnosis, and echoed to this process's stderr after ``echo_prefix`` if one is given:
-    every line, or with ``echo_if`` only the lines containing it) so it never blocks on a full pipe. ``launch`` and ``wait_ready`` are ``start`` in two halves, to start
-    several children at once."""
+    every line, or with ``echo_if`` only the lines containing it) so it never blocks on a full pipe.
+    ``launch`` and ``wait_ready`` are ``start`` in two halves, to start several children at once."""
 
     def __init__(self, argv: list[str], ready_prefix: str, start_timeout_s: float = 30.0,
                  ready_lines: int = 1, echo_prefix: str | None = None, echo_if: str | None = None):  # fmt: skip

@@ -124,23 +124,20 @@ def test_a_dead_worker_is_named_with_what_it_cost(tmp_path):
         "6 completed on it." in md
     )
     assert B + " stopped" not in md
-    assert (
-        "- Failed at the front (answered by the front itself, never by a worker): 3 (HTTP 429: 1, HTTP 500: 1, HTTP 502: 1)"
-        in md
-    )
+    front = "- Failed at the front (answered by the front itself, never by a worker): 3"
+    assert f"{front} (HTTP 429: 1, HTTP 500: 1, HTTP 502: 1)" in md
     assert "stopped answering" in (run / "report.html").read_text()  # summary.md is in the page
     assert Summary.read(run) == s
 
 
 def test_a_worker_that_died_in_the_warmup_or_came_back(tmp_path):
     # C died before the measured phase (it served only warm-up requests): it still has an entry. B had a
-    # blip and answered again. A failed only after the run (the cluster stopping): no outage.
+    # blip and answered again. A never failed.
     records = [rec(0, phase="warmup", t=-2.0, served_by=C)]
     records += [rec(1 + i, t=i * 0.5, served_by=[A, B][i % 2]) for i in range(8)]  # measured: T0 .. T0 + 4.5
     rows = _scrapes(6, {B: (2, 4), A: (6, None)}, urls=(A, B))
     rows += [{"t": T0 - 3 + k, "url": C, "round": -3 + k, **({"m": {}} if k == 0 else {"error": "refused"})}
              for k in range(9)]  # fmt: skip
-    rows += [{"t": T0 + 30, "url": A, "round": 30, "error": "refused"}]  # long after the window
     run = make_run(tmp_path, records)
     (run / "server_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = write_report(run)
@@ -377,7 +374,9 @@ def test_a_worker_killed_mid_run(tmp_path, kind, policy):
     summary = Summary.read(run_dir)
     by = {w.served_by: w for w in summary.workers}
     dead = by[victim]
-    assert t_kill < dead.unreachable_from < t_kill + 0.5 + 1.0  # its next scrape (every 0.5 s) failed
+    # Its next scrape (every 0.5 s) failed; a scrape's time is when it started, so one under way at the
+    # kill may be the first failed.
+    assert t_kill - 0.5 < dead.unreachable_from < t_kill + 0.5 + 1.0
     assert dead.reachable_again_from is None
     assert dead.failed == len(on_victim) and dead.failures == dict(Counter(on_victim.outcome))
     assert all(by[w].unreachable_from is None and by[w].failed == 0 for w in others)
@@ -466,11 +465,17 @@ def test_every_worker_killed_the_run_goes_on_and_the_routers_own_errors_are_fron
     front = records[(records.status_source == "front") & (records.phase == "measure")]
     assert summary.front_failed == len(front) >= len(after)
     assert summary.front_failures == {str(k): v for k, v in sorted(Counter(front.http_status).items())}
-    assert all(w.unreachable_from is not None and w.unreachable_from > t_kill for w in summary.workers)
+    # (a scrape's time is when it started: one under way at the kill fails too)
+    assert all(w.unreachable_from is not None and w.unreachable_from > t_kill - 0.5 for w in summary.workers)
     assert len(summary.workers) == 3
     md = (run_dir / "summary.md").read_text()
     assert sum(line.startswith("> **Worker ") for line in md.splitlines()) == 3
     assert (
         f"- Failed at the front (answered by the front itself, never by a worker): {len(front)} (HTTP " in md
     )
-    print(f"\nall killed: {len(after)} requests after the kill, front failures {summary.front_failures}")
+    end = (records.t_send_wall + records.e2e_ms / 1000).max()
+    print(
+        f"\nall killed: {len(after)} requests after the kill, front failures {summary.front_failures}; "
+        f"the last ended {end - t_kill:.2f} s after the kill; unreachable_from "
+        f"{[round(w.unreachable_from - t_kill, 2) for w in summary.workers if w.unreachable_from]}"
+    )

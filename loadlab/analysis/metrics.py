@@ -501,11 +501,10 @@ def compute_summary(
     scrape_start = None if window_start is None else window_start - margin
     scrape_end = None if window_end is None else window_end + margin
     kv_peaks = gauge_peaks(server_rows, "sglang:token_usage", scrape_start, scrape_end)
-    # Workers that stopped answering their /metrics (a worker killed mid-run), up to the window's end: a
-    # scrape that failed after the run's last request (the cluster stopping) is no outage of this run.
-    down = outages(
-        [r for r in server_rows if scrape_end is None or _finite(r.get("t")) and r["t"] <= scrape_end]
-    )
+    # Workers that stopped answering their /metrics (a worker killed mid-run). Every scrape counts, also
+    # those after the last measured request: the scraper runs only while the run does (it is stopped
+    # before an embedded cluster is), and a worker that died at the end may have failed only those.
+    down = outages(server_rows)
     named = set(served_by[measured & attributed])
     # A worker that died before it served a measured request still has an entry, so the report names it.
     named |= {url for url in down if not any(same_server(w) == url for w in named)}

@@ -78,8 +78,8 @@ def gone_from(rows: list[dict[str, Any]]) -> dict[str, float]:
     one: the time of that first failed scrape (a worker that died and never came back)."""
     last_good: dict[str, float] = {}
     first_fail_after: dict[str, float] = {}
-    for r in sorted((r for r in rows if isinstance(r.get("url"), str) and isinstance(r.get("t"), int | float)),
-                    key=lambda r: r["t"]):  # fmt: skip
+    timed = [r for r in rows if isinstance(r.get("url"), str) and isinstance(r.get("t"), int | float)]
+    for r in sorted(timed, key=lambda r: r["t"]):
         url = r["url"]
         if "m" in r:
             last_good[url] = r["t"]

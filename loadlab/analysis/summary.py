@@ -206,8 +206,7 @@ class Worker(_Model):
     unreachable_from: float | None = Field(
         None,
         description="When it stopped answering: the first failed /metrics scrape of it (server_metrics rows "
-        "whose url is its id) after a good one, up to the end of the measured window (epoch s); null if "
-        "that never happened.",
+        "whose url is its id) after a good one (epoch s); null if that never happened.",
     )
     unreachable_after_s: float | None = Field(
         None, description="unreachable_from - the first measured send (s): T+N s; null if never."

@@ -11,11 +11,11 @@ line, then serve until SIGTERM or SIGINT.
    nothing else on stdout: the children's output goes to stderr, each line after ``[district/i]`` or
    ``[omni]`` (the router's as it is).
 4. SIGTERM or SIGINT stops every child (SIGTERM to all, then SIGKILL to any left after a few seconds) and
-   exits 0. A worker process that dies does not end the cluster: its death is logged once on stderr and the
-   front goes on with the workers left (how each front notices: docs/cluster.md, "When a worker dies"); a
-   front that dies ends the cluster (exit 1), since nothing reaches the workers without it. Every child runs in its own session and gets
-   SIGTERM when this process dies (``loadlab.procs.spawn``), so even a SIGKILLed launcher leaves no worker
-   or front behind.
+   exits 0. A worker process that dies does not end the cluster: its death is logged once on stderr and
+   the front goes on with the workers left (how each front notices: docs/cluster.md, "When a worker
+   dies"); a front that dies ends the cluster (exit 1), since nothing reaches the workers without it.
+   Every child runs in its own session and gets SIGTERM when this process dies (``loadlab.procs.spawn``),
+   so even a SIGKILLed launcher leaves no worker or front behind.
 """
 
 from __future__ import annotations
