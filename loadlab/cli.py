@@ -270,6 +270,7 @@ def _cmd_sweep(args) -> int:
 def _cmd_cluster(args) -> int:
     from loadlab.cluster.launch import run_cluster
 
+    # This format puts loadlab.cluster.ERROR_MARK in the launcher's error lines (a run echoes them).
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     return run_cluster(args.cluster_file, args.host, args.port)
 

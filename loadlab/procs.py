@@ -72,17 +72,18 @@ class ReadyLineProcess:
     """A server child that prints one ready line, ``<ready_prefix>URL``, on stdout when it listens (the
     twin and the scripted test server do), or ``ready_lines`` of them (a process serving several twins).
     ``start`` returns the (first) URL, ``urls`` has them all; the child's output is drained from then on
-    (stderr kept for diagnosis, and echoed to this process's stderr after ``echo_prefix`` if one is given)
-    so it never blocks on a full pipe. ``launch`` and ``wait_ready`` are ``start`` in two halves, to start
-    several children at once."""
+    (stderr kept for diagnosis, and echoed to this process's stderr after ``echo_prefix`` if one is given:
+    every line, or with ``echo_if`` only the lines containing it) so it never blocks on a full pipe.
+    ``launch`` and ``wait_ready`` are ``start`` in two halves, to start several children at once."""
 
     def __init__(self, argv: list[str], ready_prefix: str, start_timeout_s: float = 30.0,
-                 ready_lines: int = 1, echo_prefix: str | None = None):  # fmt: skip
+                 ready_lines: int = 1, echo_prefix: str | None = None, echo_if: str | None = None):  # fmt: skip
         self.argv = argv
         self.ready_prefix = ready_prefix
         self.start_timeout_s = start_timeout_s
         self.ready_lines = ready_lines
         self.echo_prefix = echo_prefix
+        self.echo_if = echo_if
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
         self.urls: list[str] = []
@@ -123,7 +124,9 @@ class ReadyLineProcess:
         self.url = self.urls[0]
         threading.Thread(target=_drain, args=(self.proc.stdout, None), daemon=True).start()
         threading.Thread(
-            target=_drain, args=(self.proc.stderr, self.stderr_lines, self.echo_prefix), daemon=True
+            target=_drain,
+            args=(self.proc.stderr, self.stderr_lines, self.echo_prefix, self.echo_if),
+            daemon=True,
         ).start()
         return self.url
 
@@ -135,12 +138,14 @@ class ChildStartError(Exception):
     """A child server did not become ready; the message says why in one line."""
 
 
-def _drain(stream, sink: list[str] | None, echo_prefix: str | None = None) -> None:
+def _drain(
+    stream, sink: list[str] | None, echo_prefix: str | None = None, echo_if: str | None = None
+) -> None:
     try:
         for line in stream:
             if sink is not None:
                 sink.append(line)
-            if echo_prefix is not None:
+            if echo_prefix is not None and (echo_if is None or echo_if in line):
                 sys.stderr.write(echo_prefix + line)
                 sys.stderr.flush()
     except (OSError, ValueError):

@@ -54,7 +54,8 @@ MEASURE = "measure"
 
 # Who gave a response its status (a record's status_source): a worker (the response carried the worker
 # header, x-loadlab-worker) or a front in front of the workers answering itself (x-loadlab-front: e.g. the
-# omni front's 429). Null when neither header came (a real SGLang, also behind a real router).
+# omni front's 429; or sglang-router's x-smg-error-code on the errors it makes itself, e.g. its 500 when
+# every retry failed). Null when none of them came (a real SGLang, also behind a real router).
 STATUS_WORKER = "worker"
 STATUS_FRONT = "front"
 STATUS_SOURCES = (STATUS_WORKER, STATUS_FRONT)

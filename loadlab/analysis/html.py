@@ -167,10 +167,12 @@ def _timeline_origin(df: pd.DataFrame) -> float:
     return float(np.nanmin(t_send)) if t_send.size and np.isfinite(t_send).any() else 0.0
 
 
-def _per_worker(df: pd.DataFrame, server_rows: list[dict[str, Any]], workers: list[str]):
+def _per_worker(df: pd.DataFrame, server_rows: list[dict[str, Any]], workers: list[str],
+                down: dict[str, float] | None = None):  # fmt: skip
     """One line per worker: requests in flight (client side, the records it served), running and queued
-    requests and KV usage (its own /metrics rows). Workers are the records' served_by values and the scraped
-    URLs, matched by ``same_server``."""
+    requests and KV usage (its own /metrics rows); a dashed line in its colour where it stopped answering
+    (``down``: worker -> epoch s). Workers are the records' served_by values and the scraped URLs, matched
+    by ``same_server``."""
     import matplotlib.pyplot as plt
 
     t0 = _timeline_origin(df)
@@ -217,6 +219,12 @@ def _per_worker(df: pd.DataFrame, server_rows: list[dict[str, Any]], workers: li
         else:
             why = "no records name a worker" if ax is axes[0] else "no server metrics (/metrics not scraped)"
             ax.text(0.5, 0.5, why, ha="center", transform=ax.transAxes)
+    for w, t_down in (down or {}).items():
+        w = same_server(w)
+        for ax in axes:
+            ax.axvline(t_down - t0, color=colors.get(w, "black"), linestyle="--", linewidth=1)
+        axes[0].annotate(f"{w} stopped answering", (t_down - t0, 0), xytext=(3, 3), textcoords="offset points",
+                         fontsize=8, color=colors.get(w, "black"))  # fmt: skip
     axes[0].set_title("Per worker")
     axes[3].set_xlabel("seconds since the first send")
     return fig
@@ -233,7 +241,8 @@ def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFra
     scraped = {same_server(r["url"]) for r in server_rows if "m" in r and isinstance(r.get("url"), str)}
     makers = [lambda: _cdfs(samples), lambda: _timeline(df, server_rows)]
     if workers or len(scraped) > 1:  # a cluster: each worker on its own line
-        makers.append(lambda: _per_worker(df, server_rows, workers))
+        down = {w.served_by: w.unreachable_from for w in summary.workers if w.unreachable_from is not None}
+        makers.append(lambda: _per_worker(df, server_rows, workers, down))
     images = []
     for make in makers:
         fig = make()

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from loadlab.analysis.server_metrics import gauge_peaks, same_server, scrape_interval, server_summary
+from loadlab.analysis.server_metrics import gauge_peaks, outages, same_server, scrape_interval, server_summary
 from loadlab.analysis.summary import SUMMARY_SCHEMA, SUMMARY_VERSION, Summary
 from loadlab.manifest import ClientVerdict, Manifest
-from loadlab.records import MEASURE, OK, RECORD_FIELDS, WARMUP
+from loadlab.records import MEASURE, OK, RECORD_FIELDS, STATUS_FRONT, WARMUP
 
 PERCENTILES = (90, 95, 99)
 PERCENTILE_METHOD = "exact: numpy.percentile over the raw per-request samples, linear interpolation"
@@ -508,8 +508,15 @@ def compute_summary(
     scrape_start = None if window_start is None else window_start - margin
     scrape_end = None if window_end is None else window_end + margin
     kv_peaks = gauge_peaks(server_rows, "sglang:token_usage", scrape_start, scrape_end)
+    # Workers that stopped answering their /metrics (a worker killed mid-run). Every scrape counts, also
+    # those after the last measured request: the scraper runs only while the run does (it is stopped
+    # before an embedded cluster is), and a worker that died at the end may have failed only those.
+    down = outages(server_rows)
+    named = set(served_by[measured & attributed])
+    # A worker that died before it served a measured request still has an entry, so the report names it.
+    named |= {url for url in down if not any(same_server(w) == url for w in named)}
     workers = []
-    for worker in sorted(set(served_by[measured & attributed])):
+    for worker in sorted(named):
         mine = measured & (served_by == worker)
         done = mine & ok
         worker_failures: dict[str, int] = {}
@@ -539,8 +546,17 @@ def compute_summary(
                 else None,
                 "cached_tokens_reported": int(reported.sum()),
                 "peak_token_usage": kv_peaks.get(same_server(worker)),
+                **_outage(down.get(same_server(worker)), window_start),
             }
         )
+
+    # Failures a front answered itself (status_source front: the request never reached a worker), by status.
+    source = _strings(df, "status_source")
+    at_front = not_ok & (source == STATUS_FRONT)
+    front_failures: dict[str, int] = {}
+    for status, kind in zip(_numeric(df, "http_status")[at_front], outcome[at_front], strict=True):
+        key = str(int(status)) if np.isfinite(status) else (kind or "unknown")
+        front_failures[key] = front_failures.get(key, 0) + 1
 
     measured_requests = int(measured.sum())
     partial = run.complete is not True or (
@@ -579,6 +595,8 @@ def compute_summary(
         "completed": completed,
         "failed": int(not_ok.sum()),
         "failures": failures,
+        "front_failed": int(at_front.sum()),
+        "front_failures": dict(sorted(front_failures.items())),
         "duration": duration,
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
@@ -644,6 +662,19 @@ def compute_summary(
     if samples_out is not None:  # the per-request samples, for plots
         samples_out.update(samples)
     return Summary.model_validate(clean(summary))  # the flat keys of summary.json, as summary.json is read
+
+
+def _outage(outage: tuple[float, float | None] | None, window_start: float | None) -> dict[str, Any]:
+    """A worker's outage fields: when it stopped answering (epoch s, and since the first measured send)
+    and when it answered again."""
+    if outage is None:
+        return {"unreachable_from": None, "unreachable_after_s": None, "reachable_again_from": None}
+    start, back = outage
+    return {
+        "unreachable_from": start,
+        "unreachable_after_s": start - window_start if window_start is not None else None,
+        "reachable_again_from": back,
+    }
 
 
 def evaluate_slo(slo: Any, samples: dict[str, np.ndarray], failed: int) -> dict[str, Any]:

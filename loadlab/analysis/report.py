@@ -176,6 +176,39 @@ def _class_lines(s: Summary) -> list[str]:
     return lines
 
 
+def _at(seconds: float | None, epoch: float | None) -> str:
+    """A moment of the run: T+N s from the first measured send, else the epoch time."""
+    if seconds is not None:
+        return f"T{'+' if seconds >= 0 else '-'}{abs(seconds):.1f} s"
+    return f"{epoch:.3f} (epoch s)" if epoch is not None else "an unknown time"
+
+
+def _outage_lines(s: Summary) -> list[str]:
+    """One plain line per worker that stopped answering (its /metrics scrapes failed after a good one)."""
+    lines = []
+    for w in s.workers:
+        if w.unreachable_from is None:
+            continue
+        if w.reachable_again_from is None:
+            after = "and never answered again"
+        else:
+            since = w.unreachable_after_s
+            back = None if since is None else since + (w.reachable_again_from - w.unreachable_from)
+            after = f"and answered again at {_at(back, w.reachable_again_from)}"
+        if w.failed:
+            outcomes = ", ".join(f"{k}: {v}" for k, v in w.failures.items())
+            cost = f"{w.failed} measured request(s) failed on it ({outcomes})"
+        else:
+            cost = "no measured request failed on it"
+        lines += [
+            f"> **Worker {w.served_by} stopped answering at {_at(w.unreachable_after_s, w.unreachable_from)}** "
+            f"(T = the first measured send; its /metrics scrapes failed from then on) {after}; {cost}; "
+            f"{w.completed} completed on it.",
+            "",
+        ]
+    return lines
+
+
 def _client_lines(client: Client | None) -> list[str]:
     """The load generator's own timing quality, beside the latencies it qualifies."""
     if client is None:
@@ -219,6 +252,8 @@ def render_markdown(s: Summary) -> str:
             "",
         ]
 
+    lines += _outage_lines(s)
+
     target = s.target_url or "unknown"
     if s.api:
         target += f" ({s.api} API)"
@@ -233,6 +268,12 @@ def render_markdown(s: Summary) -> str:
         f"- Completed: {s.completed}, failed: {s.failed}"
         + (" (" + ", ".join(f"{k}: {v}" for k, v in s.failures.items()) + ")" if s.failures else ""),
     ]
+    if s.front_failed:
+        lines.append(
+            f"- Failed at the front (answered by the front itself, never by a worker): {s.front_failed} ("
+            + ", ".join(f"HTTP {k}: {v}" if k.isdigit() else f"{k}: {v}" for k, v in s.front_failures.items())
+            + ")"
+        )
     if s.records_source:
         lines.append(f"- Records: {s.records_source}")
     lines.append("")

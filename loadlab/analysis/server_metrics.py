@@ -1,5 +1,6 @@
 """Reading a run's ``server_metrics.jsonl`` (written by ``loadlab.target.scraper``): the scrape interval,
-a cluster's gauges per scrape round, and the seed's server-side columns over the measured window."""
+a cluster's gauges per scrape round, when a server stopped answering, and the seed's server-side columns
+over the measured window."""
 
 from __future__ import annotations
 
@@ -34,27 +35,88 @@ def read_server_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def same_server(url: str) -> str:
+    """A server URL as ``server_metrics.jsonl`` and ``served_by`` are matched: without a trailing slash."""
+    return url.rstrip("/")
+
+
+def _by_server(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each server's scrapes (``same_server`` URL), good and failed, in time order."""
+    by_url: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if isinstance(r.get("url"), str) and isinstance(r.get("t"), int | float):
+            by_url.setdefault(same_server(r["url"]), []).append(r)
+    for scrapes in by_url.values():
+        scrapes.sort(key=lambda r: r["t"])
+    return by_url
+
+
+def outages(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float | None]]:
+    """Servers (``same_server`` URL) that stopped answering: (the first failed scrape after a good one,
+    the first good scrape after that or None if it never answered again), epoch s. Only the first outage
+    of each server; servers that never failed after a good scrape are absent."""
+    found: dict[str, tuple[float, float | None]] = {}
+    for url, scrapes in _by_server(rows).items():
+        seen_good, down = False, None
+        for r in scrapes:
+            good = "m" in r
+            if down is None:
+                if good:
+                    seen_good = True
+                elif seen_good:
+                    down = r["t"]
+            elif good:
+                found[url] = (down, r["t"])
+                break
+        if down is not None and url not in found:
+            found[url] = (down, None)
+    return found
+
+
+def gone_from(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Servers (URL as scraped) whose scrapes failed from some point to the end of ``rows`` after a good
+    one: the time of that first failed scrape (a worker that died and never came back)."""
+    last_good: dict[str, float] = {}
+    first_fail_after: dict[str, float] = {}
+    timed = [r for r in rows if isinstance(r.get("url"), str) and isinstance(r.get("t"), int | float)]
+    for r in sorted(timed, key=lambda r: r["t"]):
+        url = r["url"]
+        if "m" in r:
+            last_good[url] = r["t"]
+            first_fail_after.pop(url, None)
+        elif url in last_good:
+            first_fail_after.setdefault(url, r["t"])
+    return first_fail_after
+
+
 def gauge_series(rows: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
     """A gauge per scrape round (at the round's first scrape), summed across the servers: the requests
     running or queued in a cluster are the sum of its servers'. A round where a server's value is missing
-    (a failed scrape, the edge of a window) is left out rather than summed short."""
+    (a failed scrape, the edge of a window) is left out rather than summed short, except for a server that
+    is gone (``gone_from``: its scrapes failed from then to the end): from its first failed scrape on, the
+    sum is over the servers left, so a worker that died does not blank the rest of the run."""
     servers = {r["url"] for r in rows if "m" in r}
+    gone = gone_from(rows)
     rounds: dict[Any, dict[str, tuple[float, float]]] = {}
+    started: dict[Any, float] = {}  # each round's first scrape, good or failed
     position: dict[str, int] = {}
     for r in rows:
         url = r.get("url")
         key = r.get("round")
         if key is None:  # written before rounds were numbered: the n-th scrape of each server
             key = position[url] = position.get(url, -1) + 1
+        if isinstance(r.get("t"), int | float):
+            started[key] = min(started.get(key, r["t"]), r["t"])
         if "m" in r and name in r["m"]:
             rounds.setdefault(key, {})[url] = (r["t"], r["m"][name])
-    whole = [by_url for _, by_url in sorted(rounds.items()) if set(by_url) == servers]
+    whole = []
+    for key, by_url in sorted(rounds.items()):
+        t = started.get(key, min(t for t, _ in by_url.values()))
+        needed = {s for s in servers if s not in gone or t < gone[s]}
+        if needed <= set(by_url):
+            whole.append({url: v for url, v in by_url.items() if url in needed})
+    whole = [b for b in whole if b]
     return [min(t for t, _ in b.values()) for b in whole], [sum(v for _, v in b.values()) for b in whole]
-
-
-def same_server(url: str) -> str:
-    """A server URL as ``server_metrics.jsonl`` and ``served_by`` are matched: without a trailing slash."""
-    return url.rstrip("/")
 
 
 def gauge_peaks(
@@ -78,7 +140,9 @@ def server_summary(rows: list[dict[str, Any]], start: float | None, end: float |
     """The seed's server-side columns over [start, end] (the measured window, epoch s), per target URL
     summed or maxed across servers: mean queue delay, peak KV usage, running and queued requests,
     cache-hit rate, retractions. ``available`` is False when no scrape in the window had metrics."""
-    good = [r for r in rows if "m" in r and (start is None or start <= r["t"] <= (end or r["t"]))]
+    window = [r for r in rows if isinstance(r.get("t"), int | float)
+              and (start is None or start <= r["t"] <= (end or r["t"]))]  # fmt: skip
+    good = [r for r in window if "m" in r]
     errors = sorted({r["error"] for r in rows if "error" in r})
     if not good:
         return {"available": False, "scrapes": 0, "errors": errors[:3]}
@@ -96,7 +160,7 @@ def server_summary(rows: list[dict[str, Any]], start: float | None, end: float |
         return total if seen else None
 
     def gauge(name: str) -> list[float]:
-        return gauge_series(good, name)[1]
+        return gauge_series(window, name)[1]  # failed scrapes too: a server that died leaves the sums
 
     def stat(values: list[float], fn) -> float | None:
         return float(fn(values)) if values else None

@@ -41,6 +41,8 @@ SUMMARY_VERSION = 3  # 2: workers and unattributed_requests (per-worker attribut
 SUMMARY_SCHEMA = "loadlab.summary/3"  # kept beside version, which came later; bumped with it
 # Older versions this one reads: each added fields only, so an old file reads with their defaults.
 READS_VERSIONS = (1, 2, 3)
+# Version 3 added classes, workers[].unreachable_from, unreachable_after_s, reachable_again_from, front_failed
+# and front_failures, each with a default, so that older summaries read.
 
 
 class SummaryError(ValueError):
@@ -179,7 +181,7 @@ class Server(_Model):
 
 class Worker(_Model):
     """One worker's share of the measured requests: the records whose ``served_by`` (the response's
-    x-loadlab-worker header) names it."""
+    x-loadlab-worker header) names it; and, from its own /metrics scrapes, whether it stopped answering."""
 
     served_by: str = Field(description="The worker's id, as the records' served_by.")
     measured_requests: int = Field(description="Measured records it served, any outcome.")
@@ -200,6 +202,19 @@ class Worker(_Model):
     peak_token_usage: float | None = Field(
         description="Largest sglang:token_usage of its own /metrics (server_metrics rows whose url is its id) "
         "over the measured window; null when it was not scraped."
+    )
+    unreachable_from: float | None = Field(
+        None,
+        description="When it stopped answering: the first failed /metrics scrape of it (server_metrics rows "
+        "whose url is its id) after a good one (epoch s); null if that never happened.",
+    )
+    unreachable_after_s: float | None = Field(
+        None, description="unreachable_from - the first measured send (s): T+N s; null if never."
+    )
+    reachable_again_from: float | None = Field(
+        None,
+        description="The first good scrape after unreachable_from (epoch s): it answered again; null if it "
+        "never did (or never stopped).",
     )
 
 
@@ -377,8 +392,9 @@ class Summary(_FlatLatency):
     server: Server = Field(description="The target's /metrics over the measured window.")
     workers: list[Worker] = Field(
         default_factory=list,
-        description="Per worker that served measured requests (records' served_by), sorted by id; empty when "
-        "no response named its worker (and in summaries written before attribution).",
+        description="Per worker that served measured requests (records' served_by), and per scraped server "
+        "that stopped answering, sorted by id; empty when neither (and in summaries written before "
+        "attribution).",
     )
     unattributed_requests: int | None = Field(
         None,
@@ -388,6 +404,14 @@ class Summary(_FlatLatency):
     completed: int = Field(description="Measured requests with outcome ok.")
     failed: int = Field(description="Measured requests with any other outcome.")
     failures: dict[str, int] = Field(description="Failed measured requests by outcome, sorted.")
+    front_failed: int | None = Field(
+        None,
+        description="Of the failed measured requests, those a front answered itself (status_source front: "
+        "never reached a worker); null in summaries written before it was counted.",
+    )
+    front_failures: dict[str, int] = Field(
+        default_factory=dict, description="Those front failures by HTTP status, sorted."
+    )
     duration: float | None = Field(description="First measured send to last measured end (s).")
     total_input_tokens: int = Field(description="Prompt tokens of the completed requests.")
     total_output_tokens: int = Field(description="Output tokens of the completed requests.")

@@ -29,6 +29,9 @@ from loadlab.records import (
 from loadlab.sim import FRONT_HEADER, WORKER_HEADER
 
 MAX_ERROR_BODY = 64 * 1024
+# sglang-router (sgl-model-gateway) marks the errors it answers itself (no worker reached, every retry
+# failed, no healthy worker) with this header, never a worker's error it passes through (checked with 0.3.2).
+ROUTER_ERROR_HEADER = "x-smg-error-code"
 HEADERS = {
     "Content-Type": "application/json",
     "Accept": "text/event-stream",
@@ -50,7 +53,8 @@ class Exchange:
     error: str | None = None
     body: bytes = b""  # the body of a non-2xx response
     served_by: str | None = None  # the response's x-loadlab-worker header
-    status_source: str | None = None  # STATUS_WORKER (that header came), STATUS_FRONT (x-loadlab-front), None
+    status_source: str | None = None  # STATUS_WORKER (that header came), STATUS_FRONT (x-loadlab-front or
+    # sglang-router's x-smg-error-code: a front's own answer), None
 
 
 class StreamingClient:
@@ -116,7 +120,7 @@ class StreamingClient:
             served_by = resp.get(WORKER_HEADER)
             if served_by is not None:
                 ex.served_by, ex.status_source = _one(served_by), STATUS_WORKER
-            elif resp.get(FRONT_HEADER) is not None:
+            elif resp.get(FRONT_HEADER) is not None or resp.get(ROUTER_ERROR_HEADER) is not None:
                 ex.status_source = STATUS_FRONT
             if ex.status >= 300:
                 ex.body = resp.read(MAX_ERROR_BODY)

@@ -13,3 +13,6 @@ or the analysis (``loadlab.target.cluster`` starts a cluster for a run).
 # The one line ``loadlab cluster`` prints on stdout when every worker and the front answer, followed by a
 # JSON object: {"name", "front": URL or null, "kind", "policy", "workers": [{"url", "district"}]}.
 READY_PREFIX = "loadlab-cluster ready "
+# In each line the launcher logs on stderr when something goes wrong while it serves (a worker that died, a
+# front that exited): what starts a cluster for a run echoes these lines into the run's own log.
+ERROR_MARK = "ERROR loadlab cluster: "

@@ -11,9 +11,11 @@ line, then serve until SIGTERM or SIGINT.
    nothing else on stdout: the children's output goes to stderr, each line after ``[district/i]`` or
    ``[omni]`` (the router's as it is).
 4. SIGTERM or SIGINT stops every child (SIGTERM to all, then SIGKILL to any left after a few seconds) and
-   exits 0. A child that dies ends the cluster too (exit 1). Every child runs in its own session and gets
-   SIGTERM when this process dies (``loadlab.procs.spawn``), so even a SIGKILLed launcher leaves no worker
-   or front behind.
+   exits 0. A worker process that dies does not end the cluster: its death is logged once on stderr and
+   the front goes on with the workers left (how each front notices: docs/cluster.md, "When a worker
+   dies"); a front that dies ends the cluster (exit 1), since nothing reaches the workers without it.
+   Every child runs in its own session and gets SIGTERM when this process dies (``loadlab.procs.spawn``),
+   so even a SIGKILLed launcher leaves no worker or front behind.
 """
 
 from __future__ import annotations
@@ -192,14 +194,25 @@ class Cluster:
             self.front_proc = proc.proc
         log.info("loadlab cluster: omni front (%s) on %s", front.policy, self.front_url)
 
-    def dead_child(self) -> str | None:
-        """Which child has exited, if one has (a serving cluster's children never should)."""
-        for w in self.worker_procs:
-            if w.proc is not None and w.proc.poll() is not None:
-                return f"a worker process ({', '.join(w.urls) or w.argv[-1]}) exited with status {w.proc.returncode}"
+    def dead_workers(self) -> list[ReadyLineProcess]:
+        """The worker processes that have exited (a worker killed mid-run: the front serves with the rest)."""
+        return [w for w in self.worker_procs if w.proc is not None and w.proc.poll() is not None]
+
+    def front_exited(self) -> str | None:
+        """Why the front is gone, if it is (without it nothing reaches the workers)."""
         if self.front_proc is not None and self.front_proc.poll() is not None:
-            return f"the front ({self.config.front.kind}) exited with status {self.front_proc.returncode}"
+            return f"the front ({self.config.front.kind}) {_exit_words(self.front_proc.returncode)}"
         return None
+
+    def worker_death(self, proc: ReadyLineProcess) -> str:
+        """One line on a dead worker process: its workers (URL and district), how it ended, who is left."""
+        mine = set(proc.urls)
+        named = ", ".join(f"{w['url']} ({w['district']})" for w in self.workers if w["url"] in mine)
+        dead = {url for w in self.dead_workers() for url in w.urls}
+        left = sum(1 for w in self.workers if w["url"] not in dead)
+        plural = "s" if len(mine) != 1 else ""
+        return (f"worker{plural} {named or proc.argv[-1]} {_exit_words(proc.proc.returncode)}; "
+                f"the cluster keeps serving with {left} of {len(self.workers)} workers")  # fmt: skip
 
     def stop(self) -> None:
         """SIGTERM to every child at once, then waits for each (SIGKILL after ``STOP_TIMEOUT_S``)."""
@@ -210,6 +223,14 @@ class Cluster:
                     proc.terminate()
         for proc in children:
             stop_child(proc, STOP_TIMEOUT_S)
+
+
+def _exit_words(returncode: int | None) -> str:
+    """``exited with status 1``, ``was killed by SIGKILL``."""
+    if returncode is not None and returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with status {returncode}"
 
 
 def run_cluster(path: str | Path, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -229,13 +250,18 @@ def run_cluster(path: str | Path, host: str = "127.0.0.1", port: int = 0) -> int
         info = cluster.start()
         sys.stdout.write(READY_PREFIX + json.dumps(info) + "\n")
         sys.stdout.flush()
+        reported: set[int] = set()  # worker processes whose death was logged (once each)
         while True:
-            dead = cluster.dead_child()
-            if dead:
-                log.error("loadlab cluster: %s; stopping the cluster", dead)
+            front_gone = cluster.front_exited()
+            if front_gone:  # nothing reaches the workers any more
+                log.error("loadlab cluster: %s; stopping the cluster", front_gone)
                 status = exits.PARTIAL
                 break
-            time.sleep(0.5)
+            for proc in cluster.dead_workers():  # a worker death never ends the cluster
+                if id(proc) not in reported:
+                    reported.add(id(proc))
+                    log.error("loadlab cluster: %s", cluster.worker_death(proc))
+            time.sleep(0.2)
     except _Stopped:
         log.info("loadlab cluster: stopping")
     except ClusterStartError as e:

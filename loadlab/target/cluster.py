@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadlab.cluster import READY_PREFIX
+from loadlab.cluster import ERROR_MARK, READY_PREFIX
 from loadlab.cluster.config import load_cluster, worker_settings
 from loadlab.manifest import ClusterDistrictInfo, ClusterInfo, ClusterWorkerInfo
 from loadlab.procs import ChildStartError, ReadyLineProcess
@@ -25,7 +25,9 @@ class EmbeddedCluster(ReadyLineProcess):
         self.path = str(path)
         self.config = load_cluster(path, as_target=True)
         argv = [sys.executable, "-m", "loadlab", "cluster", self.path, "--host", "127.0.0.1", "--port", "0"]
-        super().__init__(argv, READY_PREFIX, START_TIMEOUT_S)
+        # The launcher's errors reach the run's log (a worker that died mid-run: the cluster goes on without
+        # it); the children's own chatter stays in stderr_lines.
+        super().__init__(argv, READY_PREFIX, START_TIMEOUT_S, echo_prefix="[cluster] ", echo_if=ERROR_MARK)
         self.ready: dict[str, Any] = {}
 
     def start(self) -> str:
