@@ -283,8 +283,30 @@ class Slo(_Model):
 
 
 class _FlatLatency(_Model):
-    """A model whose LatencyStats fields are flat ``<stat>_<metric>`` keys on disk, with a ``samples`` part
-    that has a count for exactly the metrics present."""
+    """The latency table (the run's, or one class's): LatencyStats fields that are flat ``<stat>_<metric>``
+    keys on disk, with a ``samples`` part that has a count for exactly the metrics present."""
+
+    samples: Samples = Field(description="Samples per latency metric.")
+    ttft_ms: LatencyStats = Field(description="TTFT: send to the first token-carrying event.")
+    tpot_ms: LatencyStats = Field(description="TPOT, bench_serving's: (E2E - TTFT) / (output_tokens - 1).")
+    tpot_decode_ms: LatencyStats = Field(
+        description="TPOT per decoded token: (E2E - TTFT) / (output_tokens - tokens in the first event)."
+    )
+    itl_ms: LatencyStats = Field(description="ITL per token: each event's gap spread over its tokens.")
+    itl_per_event_ms: LatencyStats = Field(
+        description="ITL per event: the raw gaps between token-carrying events."
+    )
+    e2e_latency_ms: LatencyStats = Field(description="E2E: send to the stream's last line.")
+    client_queue_ms: LatencyStats | None = Field(None, description="Open loop only: send - due time.")
+    ttft_from_scheduled_ms: LatencyStats | None = Field(
+        None, description="Open loop only: TTFT from the due time."
+    )
+    e2e_from_scheduled_ms: LatencyStats | None = Field(
+        None, description="Open loop only: E2E from the due time."
+    )
+    server_queue_ms: LatencyStats | None = Field(
+        None, description="The server's queue time per request (meta_info.queue_time), when reported."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -333,27 +355,6 @@ class RequestClass(_FlatLatency):
     total_output_tokens: int = Field(description="Output tokens of its completed requests.")
     request_throughput: float | None = Field(description="completed / the run's duration (req/s).")
     output_throughput: float | None = Field(description="total_output_tokens / the run's duration (tok/s).")
-    samples: Samples = Field(description="Samples per latency metric.")
-    ttft_ms: LatencyStats = Field(description="TTFT: send to the first token-carrying event.")
-    tpot_ms: LatencyStats = Field(description="TPOT, bench_serving's: (E2E - TTFT) / (output_tokens - 1).")
-    tpot_decode_ms: LatencyStats = Field(
-        description="TPOT per decoded token: (E2E - TTFT) / (output_tokens - tokens in the first event)."
-    )
-    itl_ms: LatencyStats = Field(description="ITL per token: each event's gap spread over its tokens.")
-    itl_per_event_ms: LatencyStats = Field(
-        description="ITL per event: the raw gaps between token-carrying events."
-    )
-    e2e_latency_ms: LatencyStats = Field(description="E2E: send to the stream's last line.")
-    client_queue_ms: LatencyStats | None = Field(None, description="Open loop only: send - due time.")
-    ttft_from_scheduled_ms: LatencyStats | None = Field(
-        None, description="Open loop only: TTFT from the due time."
-    )
-    e2e_from_scheduled_ms: LatencyStats | None = Field(
-        None, description="Open loop only: E2E from the due time."
-    )
-    server_queue_ms: LatencyStats | None = Field(
-        None, description="The server's queue time per request (meta_info.queue_time), when reported."
-    )
     slo: Slo = Field(description="Its verdict against its own SLO (the class's slo, else the profile's).")
 
 
@@ -432,27 +433,6 @@ class Summary(_FlatLatency):
     )
     short_outputs: int = Field(description="Completed requests with fewer output tokens than max_new_tokens.")
     percentile_method: str = Field(description="How percentiles are computed, in words.")
-    samples: Samples = Field(description="Samples per latency metric.")
-    ttft_ms: LatencyStats = Field(description="TTFT: send to the first token-carrying event.")
-    tpot_ms: LatencyStats = Field(description="TPOT, bench_serving's: (E2E - TTFT) / (output_tokens - 1).")
-    tpot_decode_ms: LatencyStats = Field(
-        description="TPOT per decoded token: (E2E - TTFT) / (output_tokens - tokens in the first event)."
-    )
-    itl_ms: LatencyStats = Field(description="ITL per token: each event's gap spread over its tokens.")
-    itl_per_event_ms: LatencyStats = Field(
-        description="ITL per event: the raw gaps between token-carrying events."
-    )
-    e2e_latency_ms: LatencyStats = Field(description="E2E: send to the stream's last line.")
-    client_queue_ms: LatencyStats | None = Field(None, description="Open loop only: send - due time.")
-    ttft_from_scheduled_ms: LatencyStats | None = Field(
-        None, description="Open loop only: TTFT from the due time."
-    )
-    e2e_from_scheduled_ms: LatencyStats | None = Field(
-        None, description="Open loop only: E2E from the due time."
-    )
-    server_queue_ms: LatencyStats | None = Field(
-        None, description="The server's queue time per request (meta_info.queue_time), when reported."
-    )
     slo: Slo = Field(
         description="The SLO verdict; with classes, pass only when every class's verdict passes too."
     )
