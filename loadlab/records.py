@@ -30,6 +30,7 @@ DEFAULT_SCRAPE_INTERVAL_S = 1.0
 # Outcomes a request can end with. "ok" is the only success.
 OK = "ok"
 HTTP_ERROR = "http_error"  # the server answered with a non-2xx status
+REJECTED = "rejected"  # HTTP 429: a front (or server) refused it for load, e.g. omni's full queue
 STREAM_ERROR = "stream_error"  # an in-stream {"error": ...} event or an abort finish_reason
 DROPPED = "dropped"  # the connection closed before the stream ended
 TIMEOUT = "timeout"  # no byte for idle_timeout_s, or the whole request passed timeout_s
@@ -40,6 +41,7 @@ CLIENT_ERROR = "client_error"  # loadlab itself failed on this request (a bug: t
 OUTCOMES = (
     OK,
     HTTP_ERROR,
+    REJECTED,
     STREAM_ERROR,
     DROPPED,
     TIMEOUT,

@@ -57,6 +57,7 @@ from loadlab.records import (
     HTTP_ERROR,
     MEASURE,
     OK,
+    REJECTED,
     STATUS_FRONT,
     STATUS_WORKER,
     RequestRecord,
@@ -316,7 +317,8 @@ class VirtualRun:
     def _record_rejected(self, index, phase, t, due, spec, status: int, message: str) -> None:
         """The front's own answer (as omni answers): 429 its class's queue is full, 400 no district serves
         its class."""
-        self._write(self._request_record(index, phase, t, due, spec, outcome=HTTP_ERROR, http_status=status,
+        outcome = REJECTED if status == 429 else HTTP_ERROR  # a refusal for load, as the client records it
+        self._write(self._request_record(index, phase, t, due, spec, outcome=outcome, http_status=status,
                                          error=f"HTTP {status}: {message}", e2e_ms=0.0,
                                          status_source=STATUS_FRONT))  # fmt: skip
 

@@ -257,7 +257,9 @@ def test_attribution_headers_become_served_by_and_status_source(runs, scripted_s
         if case == "worker":
             assert (rec.outcome, rec.served_by, rec.status_source) == ("ok", "scripted-worker-1", "worker")
         elif case == "front_429":
-            assert (rec.outcome, rec.http_status) == ("http_error", 429), rec
+            assert (rec.outcome, rec.http_status) == ("rejected", 429), (
+                rec
+            )  # refused for load, its own outcome
             assert pd.isna(rec.served_by) and rec.status_source == "front"
             assert "too many requests" in rec.error
         else:

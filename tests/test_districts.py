@@ -218,3 +218,30 @@ def test_virtual_class_no_district_serves_is_the_fronts_400(tmp_path):
     assert all(w is None for c, w, _ in got if c == "offline")
     summary = json.loads((run / "summary.json").read_text())
     assert {c["name"]: c["slo"]["pass"] for c in summary["classes"]}["offline"] is False
+
+
+def test_virtual_a_full_class_queue_is_rejected_and_counted_per_class(tmp_path):
+    # The split layout with omni's per-class queue bounded at 4, at 22 req/s: the online district (64
+    # running) is saturated, so online arrivals beyond its queue get omni's 429, recorded as `rejected`
+    # (not a timeout, not http_error) and counted in the online class alone.
+    text = (
+        (REPO / "clusters" / "omni-split.yaml")
+        .read_text()
+        .replace("  policy: least_queue", "  policy: least_queue\n  queue_size: 4")
+    )
+    cluster = tmp_path / "small-queue.yaml"
+    cluster.write_text(text)
+    from loadlab.analysis.summary import Summary
+
+    run, records = _virtual(tmp_path, "split", cluster=cluster, measured=600)
+    measured = records[records.phase == "measure"]
+    rejected = measured[measured.outcome == "rejected"]
+    assert (
+        len(rejected) > 0
+        and (rejected.http_status == 429).all()
+        and (rejected.status_source == "front").all()
+    )
+    assert set(rejected.request_class) == {"online"}
+    classes = {c.name: c for c in Summary.read(run).classes}
+    assert classes["online"].failures.get("rejected") == len(rejected)
+    assert "rejected" not in classes["offline"].failures

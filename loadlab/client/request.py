@@ -6,7 +6,7 @@ import time
 
 from loadlab.client.protocol import META_KEY, build_body, class_headers, decode_stream, error_from_body
 from loadlab.client.stream import Exchange, StreamingClient
-from loadlab.records import CANCELLED, HTTP_ERROR, OK, PROTOCOL_ERROR, RequestRecord
+from loadlab.records import CANCELLED, HTTP_ERROR, OK, PROTOCOL_ERROR, REJECTED, RequestRecord
 
 
 def new_exchange() -> Exchange:
@@ -42,7 +42,9 @@ def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id:
     t_end = ex.t_end if ex.t_end is not None else time.perf_counter()
     rec.e2e_ms = (t_end - ex.t_send) * 1000.0
     if ex.transport == HTTP_ERROR:
-        rec.outcome, rec.error = HTTP_ERROR, error_from_body(ex.status, ex.body)
+        # A 429 is a refusal for load (a full queue), not a broken server: an outcome of its own.
+        rec.outcome = REJECTED if ex.status == 429 else HTTP_ERROR
+        rec.error = error_from_body(ex.status, ex.body)
         return rec
     clean = ex.transport == OK and not cancelled
     decoded = decode_stream(api, ex.lines, ex.times, ended_cleanly=clean)
