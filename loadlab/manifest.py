@@ -131,6 +131,9 @@ class VirtualStats(_Model):
     measure_start_s: float | None = Field(description="simulated time the measured phase began")
     forward_passes: int = Field(description="forward passes the scheduler ran")
     num_retractions_total: int = Field(description="requests retracted (KV cache full)")
+    num_priority_preemptions_total: int = Field(
+        0, description="running requests preempted by higher-priority ones (priority scheduling)"
+    )
     evicted_tokens_total: int = Field(description="prefix-cache tokens evicted")
     peak_used_tokens_measured: int | None = Field(description="peak KV tokens in use, measured phase")
     peak_token_usage_measured: float | None = Field(description="that peak over the KV pool size")

@@ -60,6 +60,7 @@ from loadlab.records import (
     REJECTED,
     STATUS_FRONT,
     STATUS_WORKER,
+    STREAM_ERROR,
     RequestRecord,
     default_run_name,
     unique_run_name,
@@ -69,7 +70,7 @@ from loadlab.sim import SIM_VERSION
 from loadlab.sim.clock import output_ids_for, quantize, token_events
 from loadlab.sim.cost import cost_model
 from loadlab.sim.radix import RadixCache
-from loadlab.sim.scheduler import DONE, QueueFullError, Request, RequestTooLargeError, Scheduler
+from loadlab.sim.scheduler import DONE, Request, RequestTooLargeError, Scheduler, UnavailableError
 from loadlab.sim.settings import TwinSettings, engine_config, resolve_settings
 from loadlab.workload import build_workload
 
@@ -251,17 +252,20 @@ class VirtualRun:
             spec.max_new_tokens,
             output_ids=spec.output_ids,
             stream_interval=worker.settings.stream_interval,
+            priority=spec.priority,  # the body's priority field (the profile's classes[].carry.priority)
         )
         req.handle = (index, phase, t, due, spec, worker)
         try:
-            worker.sched.add_request(req, t)
-        except (QueueFullError, RequestTooLargeError) as e:
-            status = 503 if isinstance(e, QueueFullError) else 400
+            displaced = worker.sched.add_request(req, t)
+        except (UnavailableError, RequestTooLargeError) as e:
+            status = 503 if isinstance(e, UnavailableError) else 400
             self._record_failure(index, phase, t, due, spec, status, str(e), worker)
             self.front.finished(self.workers.index(worker))
             self._on_done(t, index, phase)
             return
         self.in_flight += 1
+        if displaced is not None:  # a higher-priority request took its place in the worker's full queue
+            self._record_dropped(displaced, t)
 
     def _drain_front_queue(self, now: float) -> None:
         """A worker has room again: each class's waiting requests go out in order while they can."""
@@ -326,6 +330,19 @@ class VirtualRun:
         self._write(self._request_record(index, phase, t, due, spec, outcome=HTTP_ERROR, http_status=status,
                                          error=f"HTTP {status}: {message}", e2e_ms=0.0, served_by=worker.name,
                                          status_source=STATUS_WORKER))  # fmt: skip
+
+    def _record_dropped(self, r: Request, t: float) -> None:
+        """A request the worker aborted while it waited: its stream (already answered 200) ends with the
+        abort, as the client records it."""
+        index, phase, t_send, due, spec, worker = r.handle
+        message = (r.finish_reason or {}).get("message", "")
+        self._write(self._request_record(index, phase, t_send, due, spec, outcome=STREAM_ERROR, http_status=200,
+                                         error=f"aborted by server: {message}", e2e_ms=(t - t_send) * 1000.0,
+                                         server_id=r.rid, served_by=worker.name,
+                                         status_source=STATUS_WORKER))  # fmt: skip
+        self.in_flight -= 1
+        self.front.finished(self.workers.index(worker))
+        self._on_done(t, index, phase)
 
     def _record(self, r: Request) -> None:
         index, phase, t_send, due, spec, worker = r.handle
@@ -415,6 +432,7 @@ class VirtualRun:
             "measure_start_s": self.measure_start,
             "forward_passes": sum(s["forward_passes"] for _, s in per),
             "num_retractions_total": sum(s["num_retractions_total"] for _, s in per),
+            "num_priority_preemptions_total": sum(s["num_priority_preemptions_total"] for _, s in per),
             "evicted_tokens_total": sum(s["evicted_tokens_total"] for _, s in per),
             "peak_used_tokens_measured": peak,
             "peak_token_usage_measured": usage,
