@@ -119,7 +119,10 @@ _SPECS: dict[str, _Specs] = {}
 
 
 def _specs_for(profile: Profile) -> _Specs:
-    key = json.dumps([profile.seed, profile.workload.model_dump(mode="json")], sort_keys=True)
+    # Everything build_workload reads: the classes too (their shares, workloads and carry: two profiles with
+    # the same workload but other classes must not share specs).
+    key = json.dumps(profile.model_dump(mode="json", include={"seed", "workload", "classes", "requests"}),
+                     sort_keys=True)  # fmt: skip
     specs = _SPECS.get(key)
     if specs is None:
         while len(_SPECS) >= 4:
@@ -454,6 +457,9 @@ class FrontSpec:
     policy: str = "round_robin"
     poll_interval_s: float = 0.5
     queue_size: int = 1024
+    # omni: the most requests in flight per worker (its --max-in-flight-per-worker); None: each worker's
+    # max_running_requests
+    max_in_flight_per_worker: int | None = None
     # omni: (district name, its workers, the classes it serves or None for any), in the workers' order;
     # empty: one district of every worker serving any class
     districts: tuple[tuple[str, int, tuple[str, ...] | None], ...] = ()
@@ -536,6 +542,7 @@ class _Omni(_Front):
     def __init__(self, workers, seed, spec: FrontSpec):
         super().__init__(workers, seed)
         self.policy, self.interval, self.queue_size = spec.policy, spec.poll_interval_s, spec.queue_size
+        self.limit = spec.max_in_flight_per_worker
         self.rng = random.Random(f"loadlab-virtual-omni-{seed}")  # salt: never change
         self.in_flight = [0] * len(workers)
         self.routed = [0] * len(workers)
@@ -568,7 +575,7 @@ class _Omni(_Front):
             return None
         self._poll(now)
         loads = tuple(
-            WorkerLoad(index=i, name=w.name, in_flight=self.in_flight[i], limit=w.settings.max_running_requests,
+            WorkerLoad(index=i, name=w.name, in_flight=self.in_flight[i], limit=self.limit or w.settings.max_running_requests,
                        routed=self.routed[i], running=run, waiting=wait, token_usage=usage,
                        in_flight_at_poll=at_poll, max_running=w.settings.max_running_requests)
             for i, (w, (run, wait, usage, at_poll)) in ((i, (self.workers[i], self.polled[i]))
@@ -701,6 +708,7 @@ def _cluster_workers(config, path: str, overrides: dict[str, Any]):
         raise ValueError(f"{path}: front kind none: a virtual run needs a front for {len(many)} workers")
     front = FrontSpec(kind="omni" if f.kind == "omni" else "router", policy=f.policy or "round_robin",
                       poll_interval_s=f.poll_interval_s or 0.5, queue_size=f.queue_size or 1024,
+                      max_in_flight_per_worker=f.max_in_flight_per_worker,
                       districts=tuple(routes) if f.kind == "omni" else ())  # fmt: skip
     info = ClusterInfo(file=path, name=config.name, front_kind=f.kind, policy=f.policy, front_url=None,
                        workers=workers, districts=districts, workers_per_process=config.workers_per_process)  # fmt: skip

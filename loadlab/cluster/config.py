@@ -98,6 +98,12 @@ class Front(_Strict):
     queue_size: StrictInt | None = Field(
         None, gt=0, description=f"omni: the most requests its queue holds (default {DEFAULT_QUEUE_SIZE})"
     )
+    max_in_flight_per_worker: StrictInt | None = Field(
+        None,
+        gt=0,
+        description="omni: the most requests it lets one worker have in flight (its --max-in-flight-per-worker; "
+        "default: the worker's max_running_requests); above that, the wait is in the worker's own queue",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -127,7 +133,7 @@ class Front(_Strict):
             raise ValueError(f"{kind}: expected one of {', '.join(POLICIES[kind])}, got {policy!r}")
         return policy
 
-    @field_validator("poll_interval_s", "queue_size")
+    @field_validator("poll_interval_s", "queue_size", "max_in_flight_per_worker")
     @classmethod
     def _omni_only(cls, value: Any, info: ValidationInfo) -> Any:
         kind = info.data.get("kind")

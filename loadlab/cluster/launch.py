@@ -182,7 +182,8 @@ class Cluster:
         districts = [(d.name, [w["url"] for w in self.workers if w["district"] == d.name], d.serves)
                      for d in self.config.districts]  # fmt: skip
         argv = omni_argv([w["url"] for w in self.workers], policy=front.policy, poll_interval_s=front.poll_interval_s,
-                         queue_size=front.queue_size, host=self.host, port=self.port, districts=districts)  # fmt: skip
+                         queue_size=front.queue_size, max_in_flight_per_worker=front.max_in_flight_per_worker,
+                         host=self.host, port=self.port, districts=districts)  # fmt: skip
         proc = ReadyLineProcess(argv, OMNI_READY_PREFIX, START_TIMEOUT_S, echo_prefix="[omni] ")
         try:
             # omni names the address it listens on (http://0.0.0.0:P with --host 0.0.0.0); the ready line says
