@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -37,7 +38,7 @@ from loadlab.sim.scheduler import (
 )
 from loadlab.sim.settings import check_embedded_settings, settings_to_argv
 from loadlab.testing.servers import start_twin
-from loadlab.virtual import run_virtual
+from loadlab.virtual import run_virtual, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 COST = CostModel()
@@ -306,6 +307,53 @@ async def _burst(url: str) -> None:
     assert [metas[n]["num_retractions"] for n in ("L1", "L2", "H")] == [0, 0, 0]
 
 
+def test_real_time_full_queue_drops_the_least_preferred_waiting_request():
+    twin = start_twin("--enable-priority-scheduling", "--max-running-requests", "1", "--max-queued-requests",
+                      "1", "--gpu", "h100-80gb", "--log-level", "warning")  # fmt: skip
+    try:
+        asyncio.run(_full_queue(twin.url))
+    finally:
+        twin.stop()
+
+
+async def _full_queue(url: str) -> None:
+    """A (0) runs, the queue holds one: B (0, not streamed) waits; C (5, streamed) takes its place (B: 503);
+    D (0) is refused (C is preferred); E (9) takes C's place (C's stream ends with the abort). Nobody beats
+    A by more than 10: A and E finish."""
+    out: dict[str, tuple[int, object]] = {}
+
+    async def one(s, name, priority, max_new, stream, started=None):
+        body = {"text": f"request {name}", "stream": stream, "priority": priority,
+                "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}  # fmt: skip
+        async with s.post(url + "/generate", json=body) as r:
+            if not stream:
+                out[name] = (r.status, await r.json())
+                return
+            last = None
+            async for line in r.content:
+                if started is not None:
+                    started.set()
+                if line.startswith(b"data: {"):
+                    last = json.loads(line[6:])["meta_info"]
+            out[name] = (r.status, last)
+
+    async with aiohttp.ClientSession() as s:
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(one(s, "A", 0, 60, True, started))]
+        await asyncio.wait_for(started.wait(), 10)
+        for name, priority, stream in (("B", 0, False), ("C", 5, True), ("D", 0, False), ("E", 9, False)):
+            tasks.append(asyncio.create_task(one(s, name, priority, 4, stream)))
+            await asyncio.sleep(0.03)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    status, body = out["B"]
+    assert (status, body["message"], body["type"]) == (503, DISPLACED_MESSAGE, "ServiceUnavailableError")
+    assert out["C"] == (200, {**out["C"][1], "completion_tokens": 0,
+                              "finish_reason": {"type": "abort", "message": DISPLACED_MESSAGE, "status_code": 503}})  # fmt: skip
+    assert (out["D"][0], out["D"][1]["message"]) == (503, "The request queue is full.")
+    assert out["E"][0] == 200 and out["E"][1]["meta_info"]["completion_tokens"] == 4
+    assert out["A"][0] == 200 and out["A"][1]["completion_tokens"] == 60
+
+
 def test_real_time_priority_field_is_checked_and_refused_when_asked():
     twin = start_twin("--abort-on-priority-when-disabled", "--log-level", "warning")
     try:
@@ -390,3 +438,30 @@ def test_virtual_priority_layout_preempts_offline_for_online(tmp_path):
     assert manifest["virtual_stats"]["num_priority_preemptions_total"] == 0
     assert (measured.num_retractions == 0).all()
     assert online < 1500 < measured[measured.request_class == "online"].ttft_ms.quantile(0.95)
+
+
+def test_virtual_full_queue_drops_batch_requests_for_interactive_ones():
+    # profiles/two-classes.yaml (interactive priority 10, batch 0) at 10 req/s on one small twin: 4 running,
+    # 8 waiting at most. With priority scheduling an interactive arrival takes a waiting batch request's
+    # place (its stream ends with SGLang's abort, recorded as stream_error); without, the arrival is refused.
+    profile = load_profile(REPO / "profiles" / "two-classes.yaml")
+    profile = profile.model_copy(update={"requests": profile.requests.model_copy(update={"warmup": 0, "measured": 60}),
+                                         "load": profile.load.model_copy(update={"model": "open", "rate": 10.0,
+                                                                                 "concurrency": None})})  # fmt: skip
+    full, dropped = "HTTP 503: The request queue is full.", f"aborted by server: {DISPLACED_MESSAGE}"
+
+    def outcomes(priority: bool) -> dict:
+        settings = {
+            "enable_priority_scheduling": priority,
+            "max_running_requests": 4,
+            "max_queued_requests": 8,
+        }
+        return dict(
+            Counter((r.request_class, r.outcome, r.error) for r in simulate(profile, settings).records)
+        )
+
+    assert outcomes(True) == {("interactive", "ok", None): 20, ("interactive", "http_error", full): 25,
+                              ("batch", "ok", None): 2, ("batch", "http_error", full): 7,
+                              ("batch", "stream_error", dropped): 6}  # fmt: skip
+    assert outcomes(False) == {("interactive", "ok", None): 13, ("interactive", "http_error", full): 32,
+                               ("batch", "ok", None): 5, ("batch", "http_error", full): 10}  # fmt: skip
