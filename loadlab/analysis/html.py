@@ -268,8 +268,9 @@ def _class_cdfs(summary: Summary, class_samples: dict[str, dict[str, np.ndarray]
             if not values.size:
                 continue
             style = "-" if i < len(CLASS_COLOURS) else "-."
-            ax.plot(values, np.arange(1, values.size + 1) / values.size, color=class_colour(i), ls=style,
-                    lw=1.8, label=f"{c.name} ({values.size})")  # fmt: skip
+            ax.plot(
+                values, np.arange(1, values.size + 1) / values.size, color=class_colour(i), ls=style, lw=1.8
+            )
             tail = np.percentile(values, 99.9)
             top = max(top, tail if values[-1] > 3 * tail else values[-1])  # a long tail hides the body
         shown = 0
@@ -294,15 +295,21 @@ def _class_cdfs(summary: Summary, class_samples: dict[str, dict[str, np.ndarray]
         ax.set_xlabel("ms")
         ax.set_ylim(0, 1.01)
         ax.grid(alpha=0.3)
-    handles, _ = axes[0].get_legend_handles_labels()
+    handles = [
+        Line2D([], [], color=class_colour(i), ls="-" if i < len(CLASS_COLOURS) else "-.", lw=1.8,
+               label=f"{c.name} ({c.completed} completed)")
+        for i, c in enumerate(summary.classes)
+    ]  # fmt: skip
     limit = Line2D([], [], color="black", ls="--", lw=1.2, marker="o", mfc="none",
                    label="SLO limit (its class's colour; o at its percentile)")  # fmt: skip
-    axes[0].legend(handles=[*handles, limit], loc="best", fontsize=8)
+    # Above the panels, in one row: inside one it would hide a class's lines.
+    fig.legend(handles=[*handles, limit], loc="lower center", bbox_to_anchor=(0.5, 0.98),
+               ncol=len(handles) + 1, fontsize=9, frameon=False)  # fmt: skip
     axes[0].set_ylabel("fraction")
     return fig
 
 
-def _cell(key: str, value: Any) -> str:
+def _cell(key: str, value: Any, digits: str = ".2f") -> str:
     """A table cell holding one summary.json value: shown rounded, exact in ``data-value`` (JSON's text)."""
     if value is None:
         shown, exact = "n/a", "null"
@@ -311,7 +318,7 @@ def _cell(key: str, value: Any) -> str:
     elif isinstance(value, int):
         shown, exact = str(value), str(value)
     else:
-        shown, exact = f"{value:.2f}", repr(float(value))
+        shown, exact = f"{value:{digits}}", repr(float(value))
     return f"<td data-key='{key}' data-value='{exact}'>{shown}</td>"
 
 
@@ -360,7 +367,7 @@ def _class_section(summary: Summary, image: str) -> str:
         cells = [
             f"<td class='name' data-key='name'><span class='swatch' style='background:{class_colour(i)}'></span>"
             f"{html.escape(c.name)}</td>",
-            _cell("share", c.share),
+            _cell("share", c.share, "g"),
             *(_cell(key, getattr(c, key)) for _, key in CLASS_COUNTS),
             *(
                 _cell(f"{stat}_{stem}", getattr(getattr(c, stem), stat))
