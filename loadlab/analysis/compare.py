@@ -70,7 +70,7 @@ CLASS_FIGURES = (
         (f"{metric} {label}", (stem, stat), "ms", True)
         for metric, stem in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_latency_ms"))
         for label, stat in (("P50", "median"), ("P95", "p95"), ("P99", "p99"))
-    ),  # fmt: skip
+    ),
     ("failed requests", ("failed",), "", True),
 )
 

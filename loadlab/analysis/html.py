@@ -240,7 +240,7 @@ def _per_worker(df: pd.DataFrame, server_rows: list[dict[str, Any]], workers: li
 CLASS_COLOURS = ("#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 VERDICT_COLOURS = {True: "#116329", False: "#a40e26", None: "#666666"}  # darker than any class colour
 CLASS_PANELS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_latency_ms", "E2E"))
-# The per-class table: (heading, the summary.json key of a class, the attribute path in RequestClass).
+# The per-class table's counts and statistics: (heading, the summary.json key or statistic of a class).
 CLASS_COUNTS = (("measured", "measured_requests"), ("completed", "completed"), ("failed", "failed"))
 CLASS_STATS = (("P50", "median"), ("P95", "p95"), ("P99", "p99"))
 
@@ -273,13 +273,13 @@ def _class_cdfs(summary: Summary, class_samples: dict[str, dict[str, np.ndarray]
             )
             tail = np.percentile(values, 99.9)
             top = max(top, tail if values[-1] > 3 * tail else values[-1])  # a long tail hides the body
-        shown = 0
+        shown, data_top = 0, top
         for i, c in enumerate(summary.classes):
             for o in c.slo.objectives:
                 if o.metric != stem:
                     continue
                 colour = class_colour(i)
-                if top and o.threshold_ms > 2 * top:  # far beyond the data: named at the edge, not drawn
+                if data_top and o.threshold_ms > 2 * data_top:  # far beyond the data: named at the edge
                     ax.text(0.98, 0.08 + 0.09 * shown, f"{c.name}: P{o.percentile} limit {o.threshold_ms:g} ms \u2192",
                             transform=ax.transAxes, ha="right", color=colour, fontsize=8)  # fmt: skip
                     shown += 1
@@ -326,9 +326,9 @@ def verdict_text(passed: bool | None) -> str:
     return "n/a" if passed is None else ("PASS" if passed else "FAIL")
 
 
-def _verdict(passed: bool | None, key: str = "slo.pass") -> str:
+def _verdict(passed: bool | None) -> str:
     exact = "null" if passed is None else ("true" if passed else "false")
-    return (f"<td class='verdict' data-key='{key}' data-value='{exact}' style='color:{VERDICT_COLOURS[passed]}'>"
+    return (f"<td class='verdict' data-key='slo.pass' data-value='{exact}' style='color:{VERDICT_COLOURS[passed]}'>"
             f"<b>{verdict_text(passed)}</b></td>")  # fmt: skip
 
 
@@ -373,7 +373,7 @@ def _class_section(summary: Summary, image: str) -> str:
                 _cell(f"{stat}_{stem}", getattr(getattr(c, stem), stat))
                 for stem, _ in CLASS_PANELS
                 for _, stat in CLASS_STATS
-            ),  # fmt: skip
+            ),
             _cell("output_throughput", c.output_throughput),
             _verdict(c.slo.passed),
             f"<td class='name'>{html.escape(_objectives(c.slo.objectives))}</td>",
