@@ -19,7 +19,7 @@ from pathlib import Path
 
 from loadlab import exits
 from loadlab.cliargs import OneLineParser, non_negative, positive
-from loadlab.cluster.config import is_cluster_file, load_cluster
+from loadlab.cluster.config import check_classes, is_cluster_file, load_cluster
 from loadlab.manifest import MANIFEST, ManifestError, read_manifest, write_manifest
 from loadlab.procs import free_port
 from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
@@ -131,8 +131,9 @@ def _cmd_run(args) -> int:
     profile = load_profile(args.profile, overrides_from_options(args, args.host))
     build_workload(profile)
     Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
-    if profile.target.cluster:
-        load_cluster(profile.target.cluster, as_target=True)  # a bad cluster file too
+    if profile.target.cluster:  # a bad cluster file too, and classes its districts do not serve
+        config = load_cluster(profile.target.cluster, as_target=True)
+        check_classes(profile, args.profile, config, profile.target.cluster)  # Locust's init logs warnings
     if args.master_host is not None and args.workers is None:
         raise ProfileError("--master-host: only with --workers N (the workers to start)")
     if args.master_host is not None:
@@ -295,7 +296,9 @@ def _cmd_validate(args) -> int:
             continue
         profile = load_profile(path)
         if profile.target.cluster:
-            load_cluster(profile.target.cluster, as_target=True)
+            config = load_cluster(profile.target.cluster, as_target=True)
+            for warning in check_classes(profile, path, config, profile.target.cluster):
+                print(f"loadlab: warning: {warning}", file=sys.stderr)
         on = f", on cluster {profile.target.cluster}" if profile.target.cluster else ""
         classes = f", {len(profile.classes)} classes" if profile.classes else ""
         print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests{classes}{on})")
@@ -423,6 +426,11 @@ def _cmd_sim_virtual(args: argparse.Namespace, argv: list[str]) -> int:
     settings = {} if cluster else dict(profile.target.embedded)
     settings.update({k: v for k, v in explicit.items() if k in BY_NAME and k not in PROCESS_SETTINGS})
     try:
+        # Here, not in run_virtual: it models the front's answer to an unserved class (a 400), which its
+        # tests rely on; a user's run is refused up front, as a real run is.
+        if cluster:
+            for warning in check_classes(profile, args.virtual, load_cluster(cluster), cluster):
+                print(f"{SIM_PROG}: warning: {warning}", file=sys.stderr)
         run_dir = run_virtual(
             profile, settings, args.out or "reports", args.run_name, profile_path=args.virtual,
             command=["loadlab", "sim", *argv], cluster=cluster,

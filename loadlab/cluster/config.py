@@ -20,9 +20,11 @@ from pydantic import (
     model_validator,
 )
 
+from loadlab.cluster.policies import CLASS_HEADER, DEFAULT_CLASS, class_districts
+from loadlab.profile import Profile, ProfileError
 from loadlab.sim.cost import GPUS, MODELS
 from loadlab.sim.settings import BY_NAME, check_embedded_settings, resolve_settings
-from loadlab.yamlconfig import ConfigError, check_mapping, read_mapping, validation_message, where
+from loadlab.yamlconfig import ConfigError, Lines, check_mapping, read_mapping, validation_message, where
 
 FrontKind = Literal["router", "omni", "none"]
 # The policies each front offers (the router's are sglang-router's `--policy` names).
@@ -228,6 +230,80 @@ def load_cluster(path: str | Path, as_target: bool = False) -> ClusterConfig:
             f"without a front has {config.total_workers} workers: give it a front (router or omni)"
         )
     return config
+
+
+def check_classes(
+    profile: Profile, profile_path: str | Path | None, config: ClusterConfig, cluster_path: str | Path
+) -> list[str]:
+    """A profile's SLO classes against the cluster it runs on (its ``target.cluster``, or virtual time's
+    ``--cluster``), before any load: what omni would do with each class's requests. Here and not in the
+    profile loader, which sits below the clusters (docs/architecture.md, Layers).
+
+    Only a cluster that routes by class (an omni front, a district with ``serves``) is checked. A
+    ``ProfileError`` (one line, the profile's file:line) for a class served by no district, for a class a
+    district names whose requests do not carry it in omni's header (omni would route them as class-less),
+    and for a profile without classes that no district serves. Returns warnings: a district serving a class
+    the profile does not define is not an error (a cluster file serves many profiles)."""
+    if config.front.kind != "omni" or all(d.serves is None for d in config.districts):
+        return []  # every worker serves every request
+    label = str(profile_path) if profile_path is not None else "<profile>"
+    lines = _lines(profile_path, ProfileError)
+    cluster = _shown(cluster_path)
+    pools = class_districts([(d.name, d.serves) for d in config.districts])
+    served = "; ".join(f"{d.name} serves {', '.join(d.serves) if d.serves else 'any class'}"
+                       for d in config.districts)  # fmt: skip
+
+    def fail(loc: list[str], problem: str) -> None:
+        raise ProfileError(f"{where(label, lines, loc)}: {'.'.join(loc)}: {problem}")
+
+    classes = profile.classes or []
+    if not classes and DEFAULT_CLASS not in pools:
+        fail(["target", "cluster"], f"every district of {cluster} serves named classes only ({served}) and the "
+             "profile has no classes: omni would refuse every request; give the profile classes or the "
+             "cluster a district without serves")  # fmt: skip
+    for i, cls in enumerate(classes):
+        if cls.name not in pools:  # no district names it: it goes where class-less requests go, if anywhere
+            if DEFAULT_CLASS not in pools:
+                fail(
+                    ["classes", str(i), "name"],
+                    f"{cls.name!r} is served by no district of {cluster} ({served})",
+                )
+            continue
+        header = cls.carry.header
+        if header is None or header.lower() != CLASS_HEADER:
+            naming = ", ".join(d.name for d in config.districts if d.serves and cls.name in d.serves)
+            sent = "no class header" if header is None else f"its class in {header}"
+            fail(["classes", str(i), "carry", "header"],
+                 f"class {cls.name!r} is routed to district {naming} of {cluster} by the {CLASS_HEADER} "
+                 f"header, and its requests carry {sent}: set carry.header: {CLASS_HEADER}")  # fmt: skip
+    names = {cls.name for cls in classes}
+    cluster_lines = _lines(cluster_path, ClusterError)
+    warnings = []
+    for j, d in enumerate(config.districts):
+        for c in d.serves or ():
+            if c not in names:
+                whose = f"its classes: {', '.join(sorted(names))}" if names else "it has no classes"
+                warnings.append(f"{where(cluster, cluster_lines, ['districts', str(j), 'serves'])}: "
+                                f"districts.{j}.serves: district {d.name} serves {c!r}, which is not a class "
+                                f"of {label} ({whose}): no request of the run is of that class")  # fmt: skip
+    return warnings
+
+
+def _lines(path: str | Path | None, error: type[ConfigError]) -> Lines:
+    """The key lines of a file already loaded (for the message's file:line); none when it cannot be read."""
+    if path is None:
+        return {}
+    try:
+        return read_mapping(path, "file", error)[1]
+    except ConfigError:
+        return {}
+
+
+def _shown(path: str | Path) -> str:
+    """A path as messages show it: relative to the working directory when under it (a profile's
+    target.cluster is made absolute when it is loaded)."""
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith("..") else rel
 
 
 def is_cluster_file(path: str | Path) -> bool:

@@ -57,6 +57,7 @@ from loadlab import exits
 from loadlab.cliargs import OneLineParser, non_negative, positive
 from loadlab.cluster.omni_process import READY_PREFIX
 from loadlab.cluster.policies import (
+    CLASS_HEADER,
     DEFAULT_CLASS,
     POLICIES,
     PolicyParams,
@@ -76,7 +77,6 @@ FRONT_HEADER = "x-loadlab-front"
 FRONT_VALUE = "omni"
 PROXIED = ("/generate", "/v1/completions", "/v1/chat/completions")
 FROM_A_WORKER = ("/v1/models", "/server_info", "/get_server_info", "/model_info", "/get_model_info")
-CLASS_HEADER = "x-request-id-class"  # loadlab's profiles carry a class in it (classes[].carry.header)
 # Request headers passed to the worker (sglang-router's set, plus the body's content type).
 FORWARD_HEADERS = ("content-type", "authorization", "x-request-id", "x-correlation-id", "traceparent",
                    "tracestate")  # fmt: skip

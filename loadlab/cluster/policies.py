@@ -185,6 +185,10 @@ POLICIES: dict[str, Policy] = {
 }
 
 
+# The request header naming a request's class, as omni reads it (its --class-header default, which the
+# launcher keeps) and loadlab's profiles set it (classes[].carry.header); here, beside the routing, so that
+# what checks a profile against a cluster need not import the front (aiohttp).
+CLASS_HEADER = "x-request-id-class"
 DEFAULT_CLASS = "default"  # the class of a request without one (or naming a class no district names)
 
 
