@@ -161,6 +161,7 @@ def test_preemption_only_beyond_the_threshold_and_the_preempted_request_complete
     assert resumed == [(low.rid, kept, 50)]
     assert low.state == DONE and low.gen == 40 and len(low.times) == 40
     assert low.finished_time > ten.finished_time and low.finished_time > newcomer.finished_time
+    assert s._running_priorities == {} and s.private_used == 0 and s.cache.protected_size == 0
     assert s.num_priority_preemptions_total == 1
 
 

@@ -41,7 +41,9 @@ The rules follow SGLang 0.4-0.5 (``scheduler.py``, ``schedule_policy.py``, ``sch
   preferred first, ties: the latest queued) whose priority it beats by more than
   ``priority_scheduling_preemption_threshold``, as many as its tokens need; they go back to the queue as a
   retraction does, keeping their output. A full queue (``max_queued_requests``) drops its least preferred
-  waiting request for a strictly better arrival.
+  waiting request for a strictly better arrival. (Each prefill attempt then sorts the queue: linear when it
+  is nearly sorted already; running requests are counted per priority, so that a full batch nobody may
+  preempt costs a decode step nothing more.)
 
 Per-step work is O(1) in the batch size for a decode step: the batch size, total context, private KV and
 the reservation sum are running totals; a request's generated count is computed from the decode counter
@@ -305,6 +307,9 @@ class Scheduler:
         self._rem_base = 0  # sum over small running of (max_new - gen at join + join_d)
         self._n_small = 0
         self._big: set[Request] = set()  # running requests that joined with more than CLIP tokens to go
+        # Running requests per priority (with priority scheduling): the least preferred one in O(priorities),
+        # so that a decode step with full slots stays O(1) in the batch size when nobody may preempt.
+        self._running_priorities: dict[int, int] = {}
         # statistics
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
@@ -767,10 +772,16 @@ class Scheduler:
         def offset(x: Request) -> float:  # x's reservation in the budget (SGLang's running-request offset)
             return min(x.max_new - (x.gen + d - x.join_d), CLIP_MAX_NEW_TOKENS) * ratio
 
+        threshold = self.preemption_threshold
+        if not self._running_priorities:
+            return False
+        worst = max(self._running_priorities, key=lambda p: p * sign)
+        if (r.priority - worst) * -sign <= threshold:
+            return False  # it beats no running request by enough (the common case: no sort)
         need = r.prompt_len + r.gen - r.prefix_len + min(r.max_new, CLIP_MAX_NEW_TOKENS) - self._rem_total(a)
         victims: list[tuple[Request, float]] = []
         for x in sorted(self.running, key=lambda x: (-sign * x.priority, -x.queued_at)):
-            if (r.priority - x.priority) * -sign <= self.preemption_threshold:
+            if (r.priority - x.priority) * -sign <= threshold:
                 break
             off = offset(x)
             victims.append((x, off))
@@ -869,9 +880,17 @@ class Scheduler:
         else:
             self._rem_base += rem + d
             self._n_small += 1
+        if self.priority_on:
+            self._running_priorities[r.priority] = self._running_priorities.get(r.priority, 0) + 1
 
     def _leave_running(self, r: Request) -> None:
         """Takes ``r`` out of the running batch, bringing its counters up to date."""
+        if self.priority_on:
+            left = self._running_priorities[r.priority] - 1
+            if left:
+                self._running_priorities[r.priority] = left
+            else:
+                del self._running_priorities[r.priority]
         d = self.decode_steps
         steps = d - r.join_d
         gen_join = r.gen
