@@ -44,6 +44,7 @@ from loadlab.cluster.policies import (
     WorkerLoad,
     class_districts,
     class_of,
+    in_flight_limit,
     next_in_line,
 )
 from loadlab.cluster.policies import POLICIES as OMNI_POLICIES
@@ -466,6 +467,7 @@ class FrontSpec:
     # omni's switch: (class, the districts its overflow may go to) each; policies.next_in_line's rule
     switch: tuple[tuple[str, tuple[str, ...]], ...] = ()
     switch_after_waiting: int = 0
+    in_flight_fraction: float = 1.0  # omni's limit per worker: this much of its max_running_requests
 
 
 class _Front:
@@ -551,7 +553,8 @@ class _CacheAware(_Front):
 class _Omni(_Front):
     """omni's policies (the real front's own functions) on what omni would know: each worker's signals as
     polled at the last multiple of ``poll_interval_s`` (stale, as in life) and omni's exact in-flight
-    counts; at most ``max_running_requests`` in flight per worker, the rest waits in omni's queue."""
+    counts; at most ``max_running_requests`` (times ``in_flight_fraction``) in flight per worker, the rest
+    waits in omni's queue or, by the switch rule, goes to a switch district (``policies.next_in_line``)."""
 
     def __init__(self, workers, seed, spec: FrontSpec):
         super().__init__(workers, seed)
@@ -577,6 +580,8 @@ class _Omni(_Front):
         self.spill_cursors = dict.fromkeys(self.spill, 0)
         self.switched = {c: dict.fromkeys(ds, 0) for c, ds in spec.switch}
         self.district_of = of
+        self.limits = [in_flight_limit(w.settings.max_running_requests, None, spec.in_flight_fraction)
+                       for w in workers]  # fmt: skip
 
     def queue_key(self, spec) -> str | None:
         return class_of(self.pools, spec.request_class)
@@ -590,7 +595,7 @@ class _Omni(_Front):
 
     def _loads(self, members: list[int]) -> tuple[WorkerLoad, ...]:
         return tuple(
-            WorkerLoad(index=i, name=w.name, in_flight=self.in_flight[i], limit=w.settings.max_running_requests,
+            WorkerLoad(index=i, name=w.name, in_flight=self.in_flight[i], limit=self.limits[i],
                        routed=self.routed[i], running=run, waiting=wait, token_usage=usage,
                        in_flight_at_poll=at_poll, max_running=w.settings.max_running_requests)
             for i, (w, (run, wait, usage, at_poll)) in ((i, (self.workers[i], self.polled[i])) for i in members)
@@ -747,7 +752,8 @@ def _cluster_workers(config, path: str, overrides: dict[str, Any]):
                       poll_interval_s=f.poll_interval_s or 0.5, queue_size=f.queue_size or 1024,
                       districts=tuple(routes) if omni else (),
                       switch=tuple((c, tuple(ds)) for c, ds in config.switch_routes().items()) if omni else (),
-                      switch_after_waiting=f.switch_after_waiting or 0)  # fmt: skip
+                      switch_after_waiting=f.switch_after_waiting or 0,
+                      in_flight_fraction=f.in_flight_fraction or 1.0)  # fmt: skip
     info = ClusterInfo(file=path, name=config.name, front_kind=f.kind, policy=f.policy, front_url=None,
                        workers=workers, districts=districts, workers_per_process=config.workers_per_process,
                        front_settings=config.front_settings())  # fmt: skip

@@ -36,6 +36,7 @@ DEFAULT_POLICY = {"router": "cache_aware", "omni": "least_queue"}  # the router'
 DEFAULT_POLL_INTERVAL_S = 0.5
 DEFAULT_QUEUE_SIZE = 1024
 DEFAULT_SWITCH_AFTER_WAITING = 0
+DEFAULT_IN_FLIGHT_FRACTION = 1.0
 # The seed's four orientations of its global scheduler (shared/seed/brief.md section 3), each a named set
 # of omni's knobs; a key the file sets itself wins over its orientation's. docs/omni.md says why each value.
 # The switch cannot name districts in a preset (they are the file's), so a preset says auto (every class
@@ -44,20 +45,22 @@ ORIENTATIONS: dict[str, dict[str, Any]] = {
     # offline batch: big decode batches. Cache affinity (prefix) raises radix hits, so less prefill cuts in;
     # a deep queue rejects nothing (tails uncontrolled); a class spills only a sustained backlog (32),
     # keeping the other district's batches mostly its own.
-    "throughput": {"policy": "prefix", "poll_interval_s": 1.0, "queue_size": 4096, "switch": "auto",
-                   "switch_after_waiting": 32},
-    # online chat / RAG: no request waits at the front while any district has room; fresh signals.
-    "latency": {"policy": "least_queue", "poll_interval_s": 0.1, "queue_size": 256, "switch": "auto",
-                "switch_after_waiting": 0},
+    "throughput": {"policy": "prefix", "poll_interval_s": 1.0, "queue_size": 4096, "in_flight_fraction": 1.0,
+                   "switch": "auto", "switch_after_waiting": 32},
+    # online chat / RAG: small batches in the stable range (omni fills only 3/4 of each worker's
+    # max_running_requests, so fewer prefills cut into a decode batch: lower utilisation is its price); no
+    # request waits at the front while another district has room; fresh signals for the decisions.
+    "latency": {"policy": "least_queue", "poll_interval_s": 0.1, "queue_size": 256, "in_flight_fraction": 0.75,
+                "switch": "auto", "switch_after_waiting": 0},
     # strict SLO on the main path: route by KV use (no worker pushed into preemption), a short bounded
     # queue that rejects overload (429) instead of letting P95 grow, and no switch: a class's overload
     # never moves into another class's district.
-    "stability": {"policy": "least_kv", "poll_interval_s": 0.25, "queue_size": 32, "switch": False,
-                  "switch_after_waiting": 0},
+    "stability": {"policy": "least_kv", "poll_interval_s": 0.25, "queue_size": 32, "in_flight_fraction": 1.0,
+                  "switch": False, "switch_after_waiting": 0},
     # scarce GPUs, mixed offline: every free slot anywhere is used at once, nothing is refused (queueing
     # accepted), slow cheap polls and a two-choice policy (latency swings accepted).
-    "cost": {"policy": "power_of_two", "poll_interval_s": 2.0, "queue_size": 8192, "switch": "auto",
-             "switch_after_waiting": 0},
+    "cost": {"policy": "power_of_two", "poll_interval_s": 2.0, "queue_size": 8192, "in_flight_fraction": 1.0,
+             "switch": "auto", "switch_after_waiting": 0},
 }  # fmt: skip
 # Twins served by one process (one event loop); measured in bench/cluster_realtime.py (docs/cluster.md).
 DEFAULT_WORKERS_PER_PROCESS = 1
@@ -133,6 +136,13 @@ class Front(_Strict):
         description="omni: where a saturated class's overflow may go: {class: [district, ...]}, auto (every "
         "district not serving the class) or false (none, the default)",
     )
+    in_flight_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="omni: its limit on requests in flight at a worker, as a fraction of the worker's "
+        f"max_running_requests (rounded down; default {DEFAULT_IN_FLIGHT_FRACTION:g}: the whole batch)",
+    )
     switch_after_waiting: StrictInt | None = Field(
         None,
         ge=0,
@@ -148,7 +158,8 @@ class Front(_Strict):
         kind = data.get("kind", "router")
         if kind == "omni":
             defaults = {"policy": DEFAULT_POLICY["omni"], "poll_interval_s": DEFAULT_POLL_INTERVAL_S,
-                        "queue_size": DEFAULT_QUEUE_SIZE, "switch": False,
+                        "queue_size": DEFAULT_QUEUE_SIZE, "in_flight_fraction": DEFAULT_IN_FLIGHT_FRACTION,
+                        "switch": False,
                         "switch_after_waiting": DEFAULT_SWITCH_AFTER_WAITING}  # fmt: skip
             # An unknown name adds nothing here; the orientation field's check names the valid ones.
             name = data.get("orientation")
@@ -203,7 +214,9 @@ class Front(_Strict):
             raise ValueError(f"{kind}: expected one of {', '.join(POLICIES[kind])}, got {policy!r}")
         return policy
 
-    @field_validator("poll_interval_s", "queue_size", "orientation", "switch", "switch_after_waiting")
+    @field_validator(
+        "poll_interval_s", "queue_size", "orientation", "in_flight_fraction", "switch", "switch_after_waiting"
+    )
     @classmethod
     def _omni_only(cls, value: Any, info: ValidationInfo) -> Any:
         kind = info.data.get("kind")
@@ -238,14 +251,16 @@ class ClusterConfig(_Strict):
 
     def front_settings(self) -> dict[str, Any] | None:
         """The front's resolved knobs, as the launcher passes them (None without a front): omni's
-        orientation, policy, poll interval, queue size and switch (resolved); the router's policy."""
+        orientation, policy, poll interval, queue size, in-flight fraction and switch (resolved); the
+        router's policy."""
         f = self.front
         if f.kind == "none":
             return None
         if f.kind == "router":
             return {"policy": f.policy}
         return {"orientation": f.orientation, "policy": f.policy, "poll_interval_s": f.poll_interval_s,
-                "queue_size": f.queue_size, "switch": self.switch_routes(),
+                "queue_size": f.queue_size, "in_flight_fraction": f.in_flight_fraction,
+                "switch": self.switch_routes(),
                 "switch_after_waiting": f.switch_after_waiting}  # fmt: skip
 
     def processes(self) -> list[tuple[District, int]]:

@@ -184,7 +184,8 @@ class Cluster:
         # The knobs as resolved from the file (its orientation's preset under its own keys; auto expanded).
         argv = omni_argv([w["url"] for w in self.workers], policy=front.policy, poll_interval_s=front.poll_interval_s,
                          queue_size=front.queue_size, host=self.host, port=self.port, districts=districts,
-                         switch=self.config.switch_routes(), switch_after_waiting=front.switch_after_waiting)  # fmt: skip
+                         switch=self.config.switch_routes(), switch_after_waiting=front.switch_after_waiting,
+                         in_flight_fraction=front.in_flight_fraction)  # fmt: skip
         proc = ReadyLineProcess(argv, OMNI_READY_PREFIX, START_TIMEOUT_S, echo_prefix="[omni] ")
         try:
             # omni names the address it listens on (http://0.0.0.0:P with --host 0.0.0.0); the ready line says

@@ -68,6 +68,7 @@ from loadlab.cluster.policies import (
     WorkerLoad,
     class_districts,
     class_of,
+    in_flight_limit,
     next_in_line,
     prompt_prefix,
     switch_problem,
@@ -116,6 +117,7 @@ class OmniConfig:
     poll_interval_s: float = 1.0
     queue_size: int = 100
     max_in_flight_per_worker: int | None = None
+    in_flight_fraction: float = 1.0  # without max_in_flight_per_worker: this much of max_running_requests
     host: str = "127.0.0.1"
     port: int = 0
     poll_timeout_s: float = 2.0
@@ -159,13 +161,14 @@ class Worker:
         self.max_total_tokens: int | None = None
         self.info_read = False  # /server_info read since the worker last came up
         self.limit_flag: int | None = None  # --max-in-flight-per-worker
+        self.fraction = 1.0  # --in-flight-fraction
         self.signals = Signals()
         self.in_flight_at_poll = 0
         self.polled_at: float | None = None  # loop time of the last successful poll
 
     @property
     def limit(self) -> int | None:
-        return self.limit_flag if self.limit_flag is not None else self.max_running
+        return in_flight_limit(self.max_running, self.limit_flag, self.fraction)
 
     def load(self) -> WorkerLoad:
         s = self.signals
@@ -337,6 +340,7 @@ class Omni:
                         enumerate((d, url) for d in self.districts for url in d.workers)]  # fmt: skip
         for w in self.workers:
             w.limit_flag = config.max_in_flight_per_worker
+            w.fraction = config.in_flight_fraction
         self.class_header = config.class_header
         self._pools = class_districts([(d.name, d.serves) for d in self.districts])
         self.classes = {name: SloClass(name, config.queue_size, [w for w in self.workers if w.district in ds])
@@ -742,7 +746,12 @@ class Omni:
         # Each class with a switch: where its overflow may go, the rule's threshold, what it diverted so far.
         switch = {c.name: {"to": list(c.switched), "after_waiting": c.switch_after, "switched": dict(c.switched)}
                   for c in self.classes.values() if c.spill}  # fmt: skip
-        return web.json_response({"policy": self.config.policy, "workers": out, "queues": queues,
+        cfg = self.config
+        settings = {"policy": cfg.policy, "poll_interval_s": cfg.poll_interval_s, "queue_size": cfg.queue_size,
+                    "max_in_flight_per_worker": cfg.max_in_flight_per_worker,
+                    "in_flight_fraction": cfg.in_flight_fraction,
+                    "switch_after_waiting": cfg.switch_after_waiting}  # fmt: skip
+        return web.json_response({"policy": cfg.policy, "settings": settings, "workers": out, "queues": queues,
                                   "districts": districts, "classes": classes, "switch": switch})  # fmt: skip
 
 
@@ -802,6 +811,13 @@ def _switch(text: str) -> tuple[str, tuple[str, ...]]:
     return cls, names
 
 
+def _fraction(text: str) -> float:
+    value = positive(float)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     port = non_negative(int)(text)
     if port > 65535:
@@ -826,6 +842,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--max-in-flight-per-worker", type=positive(int), default=None, metavar="K",
                    help="most requests omni keeps in flight at one worker (default: the worker's "
                    "max_running_requests from /server_info; none if it reports none)")  # fmt: skip
+    p.add_argument("--in-flight-fraction", type=_fraction, default=1.0, metavar="F",
+                   help="without --max-in-flight-per-worker: omni's limit per worker is F times its "
+                   "max_running_requests, rounded down (the batch window it lets a worker fill) "
+                   "(default: %(default)s)")  # fmt: skip
     p.add_argument("--prefix-len", type=positive(int), default=256,
                    help="prefix policy: token ids or characters of the prompt that make the key "
                    "(default: %(default)s)")  # fmt: skip
@@ -903,6 +923,7 @@ def config_from_args(args: argparse.Namespace) -> OmniConfig:
         poll_interval_s=args.poll_interval_s,
         queue_size=args.queue_size,
         max_in_flight_per_worker=args.max_in_flight_per_worker,
+        in_flight_fraction=args.in_flight_fraction,
         host=args.host,
         port=args.port,
         poll_timeout_s=args.poll_timeout_s,

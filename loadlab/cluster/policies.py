@@ -12,6 +12,7 @@ policy and the estimates.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -218,6 +219,17 @@ def choose(policy: str, snap: Snapshot, rng: random.Random, params: PolicyParams
     return POLICIES[policy](snap, cands, rng, params or PolicyParams())
 
 
+def in_flight_limit(max_running: int | None, fixed: int | None = None, fraction: float = 1.0) -> int | None:
+    """omni's limit on its requests in flight at one worker: ``fixed`` (``--max-in-flight-per-worker``) when
+    given, else ``fraction`` of the worker's ``max_running_requests`` (rounded down, at least 1: the batch
+    window omni lets it fill), else no limit (a worker that reports none)."""
+    if fixed is not None:
+        return fixed
+    if max_running is None:
+        return None
+    return max(1, math.floor(max_running * fraction + 1e-9))
+
+
 # -- the switch -------------------------------------------------------------------------------------------
 SWITCH_AUTO = "auto"  # every class may divert to every district that does not already serve it
 
@@ -342,6 +354,7 @@ __all__ = [
     "affinity_worker",
     "choose",
     "far_busier",
+    "in_flight_limit",
     "next_in_line",
     "prefix_score",
     "prompt_prefix",
