@@ -248,6 +248,7 @@ def _virtual(tmp_path: Path, profile_text: str, cluster_text: str | None, cluste
     from loadlab.records import load_records
     from loadlab.virtual import run_virtual
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "p.yaml").write_text(profile_text)
     if cluster_text is not None:
         cluster_path = tmp_path / "c.yaml"
@@ -302,6 +303,35 @@ def test_split_with_the_switch_in_virtual_time_diverts_online_overflow_only(tmp_
     assert set(got) == {("online", "online-0"), ("online", "offline-0"), ("offline", "offline-0")}, got
     assert got[("online", "offline-0")] == manifest.virtual_stats.switched["online"]["offline"] > 0
     assert len(switched) == len(split) == 410 and (switched.http_status == 200).all()
+
+
+def test_in_virtual_time_a_diverted_request_never_takes_room_its_districts_own_class_waits_for(
+    tmp_path, monkeypatch
+):
+    # omni-split-switch at 22 req/s fills the offline district too, so both classes wait at the front at
+    # times; every online request sent to offline-0 must find no offline request waiting (own classes first).
+    from loadlab import virtual
+
+    seen = {"diverted": 0, "while_offline_waits": 0, "offline_waiting_max": 0}
+    dispatch = virtual.VirtualRun._dispatch
+
+    def watched(self, t, index, phase, due, spec, worker):
+        waiting = len(self._front_queues.get("offline", ()))
+        seen["offline_waiting_max"] = max(seen["offline_waiting_max"], waiting)
+        if spec.request_class == "online" and worker.name == "offline-0":
+            seen["diverted"] += 1
+            seen["while_offline_waits"] += len(self._front_queues.get("offline", ())) > 0
+        return dispatch(self, t, index, phase, due, spec, worker)
+
+    monkeypatch.setattr(virtual.VirtualRun, "_dispatch", watched)
+    text = (
+        REPO / "profiles" / "omni-split-switch.yaml"
+    ).read_text()  # 1200 measured: the offline queue forms late
+    manifest, _ = _virtual(tmp_path, text.replace("../clusters/", str(REPO / "clusters") + "/"), None,
+                           REPO / "clusters" / "omni-split-switch.yaml")  # fmt: skip
+    assert seen["diverted"] == manifest.virtual_stats.switched["online"]["offline"] > 0
+    assert seen["while_offline_waits"] == 0
+    assert seen["offline_waiting_max"] > 10  # the case arose: offline requests did wait at the front
 
 
 # -- the cluster file -------------------------------------------------------------------------------------
@@ -378,12 +408,15 @@ def test_switch_and_orientation_mistakes_are_one_line(tmp_path, case):
 
 
 # -- orientations -----------------------------------------------------------------------------------------
+KNOBS = ("policy", "poll_interval_s", "queue_size", "in_flight_fraction", "switch", "switch_after_waiting")
+
+
 def documented_presets() -> dict[str, dict]:
     """docs/omni.md's orientation table: {name: {knob: value}} (values as YAML would read them)."""
     import yaml
 
     text = (REPO / "docs" / "omni.md").read_text()
-    section = text[text.index("### Orientations") :]
+    section = text[text.index("## Orientations") :]
     rows = [line for line in section.splitlines() if line.startswith("|")]
     head = [c.strip().strip("`") for c in rows[0].strip("|").split("|")]
     out = {}
@@ -393,7 +426,7 @@ def documented_presets() -> dict[str, dict]:
         if not m:
             break
         out[m.group(1)] = {k: yaml.safe_load(v.strip("`")) for k, v in zip(head[1:], cells[1:], strict=False)
-                           if k in ("policy", "poll_interval_s", "queue_size", "switch", "switch_after_waiting")}  # fmt: skip
+                           if k in KNOBS}  # fmt: skip
     return out
 
 
@@ -401,6 +434,7 @@ def test_each_orientation_resolves_to_the_documented_knobs_and_keys_set_win(tmp_
     documented = documented_presets()
     assert list(documented) == list(ORIENTATIONS) == ["throughput", "latency", "stability", "cost"]
     for name, knobs in documented.items():
+        assert set(knobs) == set(KNOBS) == set(ORIENTATIONS[name]), name
         front = load(tmp_path, TWO + f"  orientation: {name}\n").front
         got = {k: getattr(front, k) for k in knobs}
         got["switch"] = got["switch"] or False
@@ -425,7 +459,11 @@ def test_the_launcher_passes_an_orientations_knobs_to_omni(tmp_path):
         assert cluster.ready["policy"] == "least_queue"
         view = get_json(cluster.ready["front"] + "/omni/workers")
         assert view["settings"] == {"policy": "least_queue", "poll_interval_s": 0.1, "queue_size": 7,
-                                    "max_in_flight_per_worker": None, "switch_after_waiting": 0}  # fmt: skip
+                                    "max_in_flight_per_worker": None, "in_flight_fraction": 0.75,
+                                    "switch_after_waiting": 0}  # fmt: skip
+        # the window: 3/4 of each twin's max_running_requests (the default 256 here... as /server_info says)
+        limits = [w["limit"] for w in view["workers"]]
+        assert limits == [int(w["max_running_requests"] * 0.75) for w in view["workers"]], limits
         assert view["switch"] == {
             "online": {"to": ["offline"], "after_waiting": 0, "switched": {"offline": 0}},
             "offline": {"to": ["online"], "after_waiting": 0, "switched": {"online": 0}},
