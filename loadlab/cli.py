@@ -284,6 +284,11 @@ def _cmd_validate(args) -> int:
             c = load_cluster(path)
             districts = ", ".join(f"{d.name}: {d.workers} x {d.gpu} {d.model}" for d in c.districts)
             front = f"{c.front.kind} {c.front.policy}" if c.front.kind != "none" else "no front"
+            if c.front.orientation:
+                front += f", orientation {c.front.orientation}"
+            routes = c.switch_routes() if c.front.kind == "omni" else {}
+            if routes:  # what the switch resolved to (auto expanded)
+                front += ", switch " + "; ".join(f"{k} -> {', '.join(v)}" for k, v in routes.items())
             print(f"{path}: ok (cluster {c.name}: {c.total_workers} workers ({districts}), {front})")
             continue
         if is_sweep_file(path):

@@ -47,6 +47,11 @@ class ClusterInfo(_Model):
     workers: list[ClusterWorkerInfo] = Field(description="every worker, in the file's order")
     districts: list[ClusterDistrictInfo] = Field(description="the districts, in the file's order")
     workers_per_process: int = Field(description="twins served by one process")
+    front_settings: dict[str, Any] | None = Field(
+        None,
+        description="the front's knobs as resolved from the file (omni: orientation, policy, poll_interval_s, "
+        "queue_size, switch with auto expanded, switch_after_waiting; router: policy); null without a front",
+    )
 
 
 class TargetInfo(_Model):
@@ -141,6 +146,11 @@ class VirtualStats(_Model):
     max_total_num_tokens: int = Field(description="the KV pool size in tokens")
     cost_model: str = Field(description="the GPU x model preset (each distinct one, for a cluster)")
     workers: int = Field(1, description="simulated GPUs (a cluster's workers); counts are summed over them")
+    switched: dict[str, dict[str, int]] | None = Field(
+        None,
+        description="omni's switch: requests of each class it diverted to each district, warm-up included "
+        "(null: no switch)",
+    )
     wall_s: float = Field(description="wall-clock seconds the simulation took")
 
 

@@ -20,7 +20,14 @@ from pydantic import (
     model_validator,
 )
 
-from loadlab.cluster.policies import CLASS_HEADER, DEFAULT_CLASS, class_districts
+from loadlab.cluster.policies import (
+    CLASS_HEADER,
+    DEFAULT_CLASS,
+    SWITCH_AUTO,
+    class_districts,
+    switch_problem,
+    switch_routes,
+)
 from loadlab.profile import Profile, ProfileError
 from loadlab.sim.cost import GPUS, MODELS
 from loadlab.sim.settings import BY_NAME, check_embedded_settings, resolve_settings
@@ -36,6 +43,33 @@ POLICIES: dict[str, tuple[str, ...]] = {
 DEFAULT_POLICY = {"router": "cache_aware", "omni": "least_queue"}  # the router's own default; omni's
 DEFAULT_POLL_INTERVAL_S = 0.5
 DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_SWITCH_AFTER_WAITING = 0
+DEFAULT_IN_FLIGHT_FRACTION = 1.0
+# The seed's four orientations of its global scheduler (shared/seed/brief.md section 3), each a named set
+# of omni's knobs; a key the file sets itself wins over its orientation's. docs/omni.md says why each value.
+# The switch cannot name districts in a preset (they are the file's), so a preset says auto (every class
+# may divert to every district not serving it) or false (no switch).
+ORIENTATIONS: dict[str, dict[str, Any]] = {
+    # offline batch: big decode batches. Cache affinity (prefix) raises radix hits, so less prefill cuts in;
+    # a deep queue rejects nothing (tails uncontrolled); a class spills only a sustained backlog (32),
+    # keeping the other district's batches mostly its own.
+    "throughput": {"policy": "prefix", "poll_interval_s": 1.0, "queue_size": 4096, "in_flight_fraction": 1.0,
+                   "switch": "auto", "switch_after_waiting": 32},
+    # online chat / RAG: small batches in the stable range (omni fills only 3/4 of each worker's
+    # max_running_requests, so fewer prefills cut into a decode batch: lower utilisation is its price); no
+    # request waits at the front while another district has room; fresh signals for the decisions.
+    "latency": {"policy": "least_queue", "poll_interval_s": 0.1, "queue_size": 256, "in_flight_fraction": 0.75,
+                "switch": "auto", "switch_after_waiting": 0},
+    # strict SLO on the main path: route by KV use (no worker pushed into preemption), a short bounded
+    # queue that rejects overload (429) instead of letting P95 grow, and no switch: a class's overload
+    # never moves into another class's district.
+    "stability": {"policy": "least_kv", "poll_interval_s": 0.25, "queue_size": 32, "in_flight_fraction": 1.0,
+                  "switch": False, "switch_after_waiting": 0},
+    # scarce GPUs, mixed offline: every free slot anywhere is used at once, nothing is refused (queueing
+    # accepted), slow cheap polls and a two-choice policy (latency swings accepted).
+    "cost": {"policy": "power_of_two", "poll_interval_s": 2.0, "queue_size": 8192, "in_flight_fraction": 1.0,
+             "switch": "auto", "switch_after_waiting": 0},
+}  # fmt: skip
 # Twins served by one process (one event loop); measured in bench/cluster_realtime.py (docs/cluster.md).
 DEFAULT_WORKERS_PER_PROCESS = 1
 # Set by the district itself (gpu, model) or by the launcher (where a worker listens, how it logs).
@@ -104,7 +138,31 @@ class Front(_Strict):
         None,
         gt=0,
         description="omni: the most requests it lets one worker have in flight (its --max-in-flight-per-worker; "
-        "default: the worker's max_running_requests); above that, the wait is in the worker's own queue",
+        "default: in_flight_fraction of the worker's max_running_requests); above max_running_requests, the "
+        "wait is in the worker's own queue",
+    )
+    orientation: str | None = Field(
+        None,
+        description="omni: a named set of its knobs, the seed's four orientations: "
+        f"{', '.join(ORIENTATIONS)} (keys set here win over it)",
+    )
+    switch: Any = Field(
+        None,
+        description="omni: where a saturated class's overflow may go: {class: [district, ...]}, auto (every "
+        "district not serving the class) or false (none, the default)",
+    )
+    in_flight_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="omni: its limit on requests in flight at a worker, as a fraction of the worker's "
+        f"max_running_requests (rounded down; default {DEFAULT_IN_FLIGHT_FRACTION:g}: the whole batch)",
+    )
+    switch_after_waiting: StrictInt | None = Field(
+        None,
+        ge=0,
+        description="omni: a class switches only while more than this many of its requests wait at omni "
+        f"(default {DEFAULT_SWITCH_AFTER_WAITING})",
     )
 
     @model_validator(mode="before")
@@ -115,11 +173,47 @@ class Front(_Strict):
         kind = data.get("kind", "router")
         if kind == "omni":
             defaults = {"policy": DEFAULT_POLICY["omni"], "poll_interval_s": DEFAULT_POLL_INTERVAL_S,
-                        "queue_size": DEFAULT_QUEUE_SIZE}  # fmt: skip
-            return {**defaults, **{k: v for k, v in data.items() if v is not None}}
+                        "queue_size": DEFAULT_QUEUE_SIZE, "in_flight_fraction": DEFAULT_IN_FLIGHT_FRACTION,
+                        "switch": False,
+                        "switch_after_waiting": DEFAULT_SWITCH_AFTER_WAITING}  # fmt: skip
+            # An unknown name adds nothing here; the orientation field's check names the valid ones.
+            name = data.get("orientation")
+            preset = ORIENTATIONS.get(name, {}) if isinstance(name, str) else {}
+            return {**defaults, **preset, **{k: v for k, v in data.items() if v is not None}}
         if kind == "router" and data.get("policy") is None:
             return {**data, "policy": DEFAULT_POLICY["router"]}
         return data
+
+    @field_validator("orientation")
+    @classmethod
+    def _known_orientation(cls, orientation: str | None) -> str | None:
+        if orientation is not None and orientation not in ORIENTATIONS:
+            raise ValueError(f"expected one of {', '.join(ORIENTATIONS)}, got {orientation!r}")
+        return orientation
+
+    @field_validator("switch")
+    @classmethod
+    def _switch_shape(cls, switch: Any) -> Any:
+        """False or None: no switch; ``auto``; or {class: [district, ...]} (one district may be given
+        alone). What the names mean is checked against the districts by ``load_cluster``."""
+        if switch is None or switch is False or switch == SWITCH_AUTO:
+            return None if switch is False else switch
+        if isinstance(switch, dict) and switch:
+            out = {}
+            for c, targets in switch.items():
+                targets = [targets] if isinstance(targets, str) else targets
+                if (
+                    not isinstance(c, str)
+                    or not isinstance(targets, list)
+                    or not all(isinstance(d, str) for d in targets)
+                ):
+                    raise ValueError(f"{c}: expected a district or a list of districts, got {targets!r}")
+                out[c] = targets
+            return out
+        raise ValueError(
+            f"expected {SWITCH_AUTO}, false or a mapping of class to districts (e.g. {{online: [offline]}}), "
+            f"got {switch!r}"
+        )
 
     @field_validator("policy")
     @classmethod
@@ -135,7 +229,10 @@ class Front(_Strict):
             raise ValueError(f"{kind}: expected one of {', '.join(POLICIES[kind])}, got {policy!r}")
         return policy
 
-    @field_validator("poll_interval_s", "queue_size", "max_in_flight_per_worker")
+    @field_validator(
+        "poll_interval_s", "queue_size", "max_in_flight_per_worker", "orientation", "in_flight_fraction",
+        "switch", "switch_after_waiting",
+    )
     @classmethod
     def _omni_only(cls, value: Any, info: ValidationInfo) -> Any:
         kind = info.data.get("kind")
@@ -159,6 +256,28 @@ class ClusterConfig(_Strict):
     @property
     def total_workers(self) -> int:
         return sum(d.workers for d in self.districts)
+
+    def class_pools(self) -> dict[str, list[str]]:
+        """Which districts serve each class (``policies.class_districts``)."""
+        return class_districts([(d.name, d.serves) for d in self.districts])
+
+    def switch_routes(self) -> dict[str, list[str]]:
+        """Each class's switch districts, resolved (``auto`` expanded); empty without a switch."""
+        return switch_routes(self.class_pools(), [d.name for d in self.districts], self.front.switch)
+
+    def front_settings(self) -> dict[str, Any] | None:
+        """The front's resolved knobs, as the launcher passes them (None without a front): omni's
+        orientation, policy, poll interval, queue size, in-flight limit or fraction and switch (resolved); the
+        router's policy."""
+        f = self.front
+        if f.kind == "none":
+            return None
+        if f.kind == "router":
+            return {"policy": f.policy}
+        return {"orientation": f.orientation, "policy": f.policy, "poll_interval_s": f.poll_interval_s,
+                "queue_size": f.queue_size, "max_in_flight_per_worker": f.max_in_flight_per_worker,
+                "in_flight_fraction": f.in_flight_fraction, "switch": self.switch_routes(),
+                "switch_after_waiting": f.switch_after_waiting}  # fmt: skip
 
     def processes(self) -> list[tuple[District, int]]:
         """The worker processes to start: (district, twins in it), districts in order."""
@@ -223,6 +342,23 @@ def load_cluster(path: str | Path, as_target: bool = False) -> ClusterConfig:
         raise ClusterError(
             f"{where(label, lines, ['districts', str(i), 'serves'])}: districts.{i}.serves: routing by class "
             f"needs front kind omni (this front is {config.front.kind}: every worker serves every class)"
+        )
+    switch = config.front.switch
+    if isinstance(switch, dict):  # auto needs no check: it names only districts that exist
+        pools, names = config.class_pools(), [d.name for d in config.districts]
+        for cls, targets in switch.items():
+            problem = switch_problem(pools, names, cls, targets)
+            if problem:
+                raise ClusterError(
+                    f"{where(label, lines, ['front', 'switch', cls])}: front.switch.{cls}: {problem}"
+                )
+    front = config.front
+    if config.switch_routes() and front.switch_after_waiting > front.queue_size:
+        key = "switch_after_waiting" if ("front", "switch_after_waiting") in lines else "queue_size"
+        raise ClusterError(
+            f"{where(label, lines, ['front', key])}: front.{key}: the switch waits for more than "
+            f"{front.switch_after_waiting} requests in line, but the queue holds {front.queue_size}: it would "
+            f"answer 429 before the switch ever diverts (switch_after_waiting may not exceed queue_size)"
         )
     if as_target and config.front.kind == "none" and config.total_workers > 1:
         raise ClusterError(
