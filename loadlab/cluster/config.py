@@ -230,8 +230,13 @@ class Front(_Strict):
         return policy
 
     @field_validator(
-        "poll_interval_s", "queue_size", "max_in_flight_per_worker", "orientation", "in_flight_fraction",
-        "switch", "switch_after_waiting",
+        "poll_interval_s",
+        "queue_size",
+        "max_in_flight_per_worker",
+        "orientation",
+        "in_flight_fraction",
+        "switch",
+        "switch_after_waiting",
     )
     @classmethod
     def _omni_only(cls, value: Any, info: ValidationInfo) -> Any:
