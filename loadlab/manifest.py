@@ -47,6 +47,9 @@ class ClusterInfo(_Model):
     workers: list[ClusterWorkerInfo] = Field(description="every worker, in the file's order")
     districts: list[ClusterDistrictInfo] = Field(description="the districts, in the file's order")
     workers_per_process: int = Field(description="twins served by one process")
+    overrides: dict[str, Any] | None = Field(
+        None, description="settings laid over the file (target.cluster_overrides), dotted; null: none"
+    )
 
 
 class TargetInfo(_Model):

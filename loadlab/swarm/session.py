@@ -35,7 +35,9 @@ class Session:
         if target.url == "embedded":
             # A cluster file that does not load is bad input, like the profile (a ClusterError).
             self.embedded = (
-                EmbeddedCluster(target.cluster) if target.cluster else EmbeddedServer(target.embedded)
+                EmbeddedCluster(target.cluster, target.cluster_overrides)
+                if target.cluster
+                else EmbeddedServer(target.embedded)
             )
             environment.host = self.embedded.start()
         else:
