@@ -65,7 +65,7 @@ def render_md(spec: SweepSpec, result: dict[str, Any], complete: bool) -> str:
     if classes:
         own = "; ".join(f"{name} " + (", ".join(f"{o['label']} < {o['threshold_ms']:g} ms" for o in objectives)
                                       or "no SLO") for name, objectives in classes.items())  # fmt: skip
-        slo_text = f"every class's own SLO ({own})" + (f" and {slo_text}" if slo else "")
+        slo_text = (f"{slo_text} and " if slo else "") + f"every class its own SLO: {own}"
     lines.append(
         f"- SLO-first choice (highest throughput meeting {slo_text}): {result['choice'] or 'none meets it'}"
     )

@@ -163,6 +163,12 @@ def load_sweep(path: str | Path) -> SweepSpec:
         try:
             run_profile = load_profile(base, profile_overrides(given, base.parent))
         except ProfileError as e:
+            without = {k: v for k, v in given.items() if cluster_key(k) is None}
+            if (
+                without != given
+                and load_profile(base, profile_overrides(without, base.parent)).target.cluster is None
+            ):
+                _check_cluster(path, None, sets, config)  # says it: there is no cluster to lay them over
             raise SweepError(f"{path}: set/axes {label(given)}: {e}") from None
         fresh = fresh and run_profile.target.url == EMBEDDED
         _check_cluster(path, run_profile, sets, config)
@@ -233,7 +239,7 @@ def run_sets(spec: SweepSpec, config: dict[str, Any]) -> list[str]:
     return items
 
 
-def _check_cluster(path: Path, profile: Profile, sets: dict[str, Any], config: dict[str, Any]) -> None:
+def _check_cluster(path: Path, profile: Profile | None, sets: dict[str, Any], config: dict[str, Any]) -> None:
     """The cluster a configuration's runs would start: its file and what the sweep lays over it, checked
     as the run will check it; a problem names the sweep key behind it (``axes: KEY=VALUE`` or ``set:``)."""
     given = {**sets, **config}
@@ -241,7 +247,7 @@ def _check_cluster(path: Path, profile: Profile, sets: dict[str, Any], config: d
     def blame(key: str) -> str:
         return f"{path}: {'axes' if key in config else 'set'}: {key}={given[key]}"
 
-    if profile.target.cluster is None:
+    if profile is None or profile.target.cluster is None:
         key = next((k for k in given if cluster_key(k) is not None), None)
         if key is not None:
             raise SweepError(f"{blame(key)}: the profile runs no cluster (target.cluster) to lay it over")
@@ -254,11 +260,17 @@ def _check_cluster(path: Path, profile: Profile, sets: dict[str, Any], config: d
                     and (e.key == c or e.key.startswith(c + "."))), None)  # fmt: skip
         if key is None:  # the profile's own target.cluster_overrides
             raise SweepError(f"{path}: profile {profile.target.cluster}: {e}") from None
-        raise SweepError(f"{blame(key)}: {e.problem} (cluster {os.path.relpath(profile.target.cluster)})"
+        raise SweepError(f"{blame(key)}: {e.problem} (cluster {_shown(profile.target.cluster)})"
                          ) from None  # fmt: skip
     except ConfigError as e:  # the cluster file itself
         where = blame("target.cluster") if "target.cluster" in given else f"{path}: the profile's cluster"
         raise SweepError(f"{where}: {e}") from None
+
+
+def _shown(path: str) -> str:
+    """A path as messages show it: relative to the working directory when under it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def configurations(axes: dict[str, Any]) -> list[dict[str, Any]]:
