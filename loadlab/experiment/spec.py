@@ -163,12 +163,8 @@ def load_sweep(path: str | Path) -> SweepSpec:
         try:
             run_profile = load_profile(base, profile_overrides(given, base.parent))
         except ProfileError as e:
-            without = {k: v for k, v in given.items() if cluster_key(k) is None}
-            if (
-                without != given
-                and load_profile(base, profile_overrides(without, base.parent)).target.cluster is None
-            ):
-                _check_cluster(path, None, sets, config)  # says it: there is no cluster to lay them over
+            if not _has_cluster(base, {k: v for k, v in given.items() if cluster_key(k) is None}):
+                _check_cluster(path, None, sets, config)  # a cluster axis without a cluster: says so
             raise SweepError(f"{path}: set/axes {label(given)}: {e}") from None
         fresh = fresh and run_profile.target.url == EMBEDDED
         _check_cluster(path, run_profile, sets, config)
@@ -237,6 +233,15 @@ def run_sets(spec: SweepSpec, config: dict[str, Any]) -> list[str]:
         if "." in axis:
             items.append(f"{profile_key(axis)}={profile_value(axis, value, profile_dir)}")
     return items
+
+
+def _has_cluster(base: Path, given: dict[str, Any]) -> bool:
+    """Whether the profile with these overrides runs a cluster (True when it does not load: not the
+    question, and its own error is the one to show)."""
+    try:
+        return load_profile(base, profile_overrides(given, base.parent)).target.cluster is not None
+    except ProfileError:
+        return True
 
 
 def _check_cluster(path: Path, profile: Profile | None, sets: dict[str, Any], config: dict[str, Any]) -> None:
