@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from loadlab.analysis import compute_summary
 from loadlab.cluster import READY_PREFIX
 from loadlab.experiment import runner
 from loadlab.experiment.aggregate import choose
@@ -217,6 +218,7 @@ def test_every_repeat_warms_up_a_target_the_run_starts_and_only_the_first_a_laun
         calls.append((k, r, warm_up, run_sets(spec, config)))
         run = out / "runs" / f"c{k:02d}-r{r}"
         run.mkdir(parents=True)
+        compute_summary(None, None).model_copy(update={"output_throughput": 100.0 * (k + 1)}).write(run)
         return run
 
     monkeypatch.setattr(runner, "_one_run", fake_run)
@@ -270,3 +272,46 @@ def test_the_choice_requires_every_class_to_meet_its_own_slo():
     assert result["rejected"][0]["reasons"] == ["3 failed requests (online 3)"]
     # No class passing anywhere: no choice.
     assert choose([row("split", 5500, 7343, 115), row("enlarge", 5000, 2154, 146)], {})["choice"] is None
+
+
+def test_overrides_make_a_new_validated_config_and_leave_the_file_s_alone(tmp_path):
+    from loadlab.cluster.config import ClusterError, flatten_overrides, load_cluster, override_cluster
+    from loadlab.profile import ProfileError, load_profile
+
+    base = load_cluster(SWEEPS / "clusters" / "split.yaml")
+    nested = {
+        "districts": {"online": {"sglang": {"max_running_requests": 8}}},
+        "front": {"policy": "round_robin"},
+    }
+    flat = flatten_overrides(nested)
+    assert flat == {"districts.online.sglang.max_running_requests": 8, "front.policy": "round_robin"}
+    new = override_cluster(base, nested)
+    assert new == override_cluster(base, flat) and new is not base
+    assert new.districts[0].sglang == {"max_running_requests": 8} and new.front.policy == "round_robin"
+    assert base.districts[0].sglang == {"max_running_requests": 1} and base.front.policy == "least_queue"
+    assert new.districts[1] == base.districts[1] and new.front.poll_interval_s == 0.1  # the rest as it was
+    # Another kind of front starts from that kind's defaults (the router has no poll interval).
+    router = override_cluster(base, {"front.kind": "router", "districts.online.serves": None,
+                                     "districts.offline.serves": None})  # fmt: skip
+    assert (router.front.kind, router.front.policy, router.front.poll_interval_s) == (
+        "router",
+        "cache_aware",
+        None,
+    )
+    # A district's name may hold dots: the longest name the key starts with.
+    dotted = tmp_path / "d.yaml"
+    dotted.write_text("districts:\n  - name: a\n  - name: a.b\n")
+    assert load_cluster(dotted, overrides={"districts.a.b.workers": 3}).districts[1].workers == 3
+    with pytest.raises(ClusterError, match=r"d\.yaml: override districts\.c\.workers: no district 'c'"):
+        load_cluster(dotted, overrides={"districts.c.workers": 3})
+    # The profile key: only with a cluster, and gone with the cluster when --host replaces it.
+    profile = SWEEPS / "cluster-profile.yaml"
+    assert load_profile(
+        profile, {"target.cluster_overrides.front.policy": "round_robin"}
+    ).target.cluster_overrides
+    replaced = load_profile(profile, {"target.url": "http://127.0.0.1:1"})
+    assert replaced.target.cluster is None and replaced.target.cluster_overrides == {}
+    with pytest.raises(ProfileError, match="target.cluster_overrides: only with target.cluster"):
+        load_profile(
+            profile, {"target.cluster": None, "target.cluster_overrides.front.policy": "round_robin"}
+        )

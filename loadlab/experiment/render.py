@@ -152,7 +152,8 @@ def render_html(spec: SweepSpec, result: dict[str, Any]) -> str:
         if result.get("choice") in labels and med[labels.index(result["choice"])] is not None:
             i = labels.index(result["choice"])
             ax.plot([x[i]], [med[i]], marker="*", ms=16, color="green", ls="none", label="SLO-first choice")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # no SLO, knee or choice to mark: no empty legend
+            ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)  # small differences stay small
         ax.set_title(column)
     if classes:
