@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     ValidationError,
     ValidationInfo,
@@ -290,8 +291,14 @@ class Profile(_Strict):
     workload: WorkloadConfig
     slo: SloConfig = Field(default_factory=SloConfig)
     classes: list[ClassConfig] | None = None  # SLO classes (docs/workloads.md); None: one class, as before
+    # Without it a class with no objective (no slo of its own and none in the profile's to inherit) gets the
+    # verdict n/a, which the overall verdict skips: a forgotten SLO would pass silently.
+    classes_require_slo: StrictBool = Field(
+        False, description="every class must have an SLO objective, its own or the profile's slo it inherits"
+    )
 
     def class_slo(self, cls: ClassConfig) -> SloConfig:
+        """The SLO a class is judged by: its own ``slo`` when it sets one, else the profile's."""
         return cls.slo if cls.slo is not None else self.slo
 
     @property
@@ -379,12 +386,24 @@ def _check_classes(profile: Profile, label: str, lines: Lines) -> None:
         if cls.carry.model is not None and api == "generate":
             fail(["classes", str(i), "carry", "model"],
                  "the native /generate has no model field; use api: completions or chat")  # fmt: skip
+        if profile.classes_require_slo and not has_objective(profile.class_slo(cls)):
+            why = (
+                "its slo sets none" if cls.slo is not None else "it has no slo and the profile's slo has none"
+            )
+            fail(["classes", str(i), "slo"],
+                 f"class {cls.name!r} has no SLO objective ({why}) and classes_require_slo is true: give it "
+                 "one, e.g. slo: {ttft_p95_ms: 2000}")  # fmt: skip
     total = sum(cls.share for cls in classes)
     if abs(total - 1.0) > SHARE_TOLERANCE:
         fail(
             ["classes"],
             f"the shares sum to {total:.12g}, not 1 ({', '.join(f'{c.name} {c.share:g}' for c in classes)})",
         )
+
+
+def has_objective(slo: SloConfig) -> bool:
+    """Whether an SLO bounds anything (every key of ``SloConfig`` is an objective, unset ones None)."""
+    return any(v is not None for v in slo.model_dump().values())
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any, label: str) -> None:

@@ -15,6 +15,7 @@ import yaml
 from conftest import REPO, run_loadlab
 from test_analysis import T0, decoding, make_manifest, summarize
 
+from loadlab import exits
 from loadlab.analysis import Summary
 from loadlab.analysis.compare import compare_classes, render
 from loadlab.profile import ProfileError, load_profile, validate_profile
@@ -316,3 +317,210 @@ def test_priority_and_header_reach_the_server(tmp_path, scripted_server):
             assert entry["priority"] == 5 and entry["class_headers"] == {"x-request-id-class": "interactive"}
         else:
             assert entry["priority"] == 1 and entry["class_headers"] == {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# classes_require_slo: a class without an objective (its own, or the profile's it inherits) is a mistake
+
+REQUIRE = """name: r
+classes_require_slo: true
+workload: {{kind: random_prefix, input_len: 16, output_len: 4}}
+slo: {profile_slo}
+classes:
+  - name: gold
+    share: 0.5
+    slo: {{ttft_p95_ms: 100}}
+  - name: bronze
+    share: 0.5
+{bronze_slo}"""
+
+
+@pytest.mark.parametrize(
+    "profile_slo, bronze_slo, expected",
+    [
+        (
+            "{}",
+            "",
+            "classes.1.slo: class 'bronze' has no SLO objective (it has no slo and the profile's slo has",
+        ),
+        (
+            "{ttft_p95_ms: 900}",
+            "    slo: {}\n",
+            "classes.1.slo: class 'bronze' has no SLO objective (its slo sets",
+        ),
+        (
+            "{}",
+            "    slo: {ttft_p95_ms: null}\n",
+            "classes.1.slo: class 'bronze' has no SLO objective (its slo sets",
+        ),
+    ],
+)
+def test_classes_require_slo_refuses_a_class_without_an_objective(
+    tmp_path, profile_slo, bronze_slo, expected
+):
+    path = tmp_path / "p.yaml"
+    path.write_text(REQUIRE.format(profile_slo=profile_slo, bronze_slo=bronze_slo))
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    message = str(e.value)
+    line = 11 if bronze_slo else 9  # the class's slo key, else the class itself
+    assert "\n" not in message and message.startswith(f"{path}:{line}: {expected}"), message
+    assert "classes_require_slo is true" in message
+    # The same profile without the key: the class is judged n/a, as before.
+    path.write_text(REQUIRE.format(profile_slo=profile_slo, bronze_slo=bronze_slo).replace("true", "false"))
+    assert load_profile(path).classes[1].name == "bronze"
+
+
+def test_classes_require_slo_accepts_inherited_objectives(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(REQUIRE.format(profile_slo="{tpot_p95_ms: 80}", bronze_slo=""))  # bronze inherits it
+    profile = load_profile(path)
+    assert profile.classes_require_slo is True
+    assert profile.class_slo(profile.classes[1]).tpot_p95_ms == 80
+    assert validate_profile({"workload": {"kind": "rag"}, "classes_require_slo": True}).classes is None
+    with pytest.raises(ProfileError, match="classes_require_slo: Input should be a valid boolean"):
+        validate_profile({"workload": {"kind": "rag"}, "classes_require_slo": "yes"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# A profile's classes against the districts of its cluster (loadlab.cluster.config.check_classes)
+
+SPLIT = REPO / "clusters" / "omni-split.yaml"  # online serves online; offline serves offline
+CLUSTER_PROFILE = """name: cp
+target:
+  cluster: {cluster}
+workload: {{kind: random_prefix, input_len: 16, output_len: 4}}
+requests: {{warmup: 0, measured: 20}}
+classes:
+  - name: online
+    share: 0.5
+    carry: {{header: x-request-id-class}}
+  - name: {second}
+    share: 0.5
+    carry: {carry}
+"""
+NO_DISTRICT = "classes.1.name: 'batch' is served by no district of {cluster} (online serves online; offline serves offline)"
+
+
+def _cluster_profile(tmp_path, cluster=SPLIT, second="offline", carry="{header: x-request-id-class}"):
+    path = tmp_path / "p.yaml"
+    path.write_text(CLUSTER_PROFILE.format(cluster=cluster, second=second, carry=carry))
+    return path
+
+
+def _check(path):
+    from loadlab.cluster.config import check_classes, load_cluster
+
+    profile = load_profile(path)
+    return check_classes(profile, path, load_cluster(profile.target.cluster), profile.target.cluster)
+
+
+def test_every_class_must_be_served_by_a_district(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # messages show the cluster file relative to the working directory
+    assert _check(_cluster_profile(tmp_path)) == []  # omni-split.yaml's own classes
+    path = _cluster_profile(tmp_path, second="batch")
+    with pytest.raises(ProfileError) as e:
+        _check(path)
+    assert str(e.value) == f"{path}:10: " + NO_DISTRICT.format(cluster="clusters/omni-split.yaml")
+    # A district without serves takes any class (omni's default): then batch is served, and a district
+    # naming a class the profile lacks is only a warning (a cluster file serves many profiles).
+    shared = tmp_path / "shared.yaml"
+    shared.write_text(
+        SPLIT.read_text().replace("    serves: [offline]\n", "").replace("[online]", "[online, gold]")
+    )
+    warnings = _check(_cluster_profile(tmp_path, cluster=shared, second="batch"))
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert (
+        f"{shared}:" in warnings[0]
+        and "districts.0.serves: district online serves 'gold', which is not a class" in warnings[0]
+    )
+
+
+@pytest.mark.parametrize(
+    "carry, sent",
+    [("{}", "no class header"), ("{header: x-request-id-tier}", "its class in x-request-id-tier")],
+)
+def test_a_class_routed_by_a_district_needs_omnis_header(tmp_path, carry, sent):
+    path = _cluster_profile(tmp_path, carry=carry)
+    with pytest.raises(ProfileError) as e:
+        _check(path)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{path}:12: classes.1.carry.header: class 'offline'")
+    assert "is routed to district offline of " in message and message.endswith(
+        f"by the x-request-id-class header, and its requests carry {sent}: set carry.header: x-request-id-class"
+    )
+    # Header names are case-insensitive on the wire.
+    assert _check(_cluster_profile(tmp_path, carry="{header: X-Request-Id-Class}")) == []
+
+
+def test_clusters_that_do_not_route_by_class_are_not_checked(tmp_path):
+    # online-offline.yaml has districts but sglang-router in front and no serves: any class goes anywhere.
+    plain = _cluster_profile(
+        tmp_path, cluster=REPO / "clusters" / "online-offline.yaml", second="batch", carry="{}"
+    )
+    assert _check(plain) == []
+
+
+def test_a_profile_without_classes_on_a_cluster_serving_named_classes_only(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(f"name: n\ntarget:\n  cluster: {SPLIT}\nworkload: {{kind: rag}}\n")
+    with pytest.raises(ProfileError) as e:
+        _check(path)
+    assert str(e.value).startswith(
+        f"{path}:3: target.cluster: every district of "
+    ) and "profile has no classes" in str(e.value)
+
+
+def _one_line_error(proc, expected: str, prefix: str = "loadlab: ") -> None:
+    assert proc.returncode == exits.BAD_INPUT, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_cli_refuses_a_class_no_district_serves_in_one_line(tmp_path):
+    # As a user runs it: loadlab run (before Locust), Locust's own entry point, virtual time, validate. No
+    # load is sent: the check comes before the cluster starts.
+    path = _cluster_profile(tmp_path, second="batch")
+    expected = f"{path}:10: classes.1.name: 'batch' is served by no district of clusters/omni-split.yaml"
+    commands = [
+        ("loadlab: ", [*LOADLAB, "run", str(path), "--out", str(tmp_path / "out")]),
+        ("loadlab sim: error: ", [*LOADLAB, "sim", "--virtual", str(path), "--out", str(tmp_path / "out")]),
+        ("loadlab: ", [*LOADLAB, "validate", str(path)]),
+    ]
+    for prefix, argv in commands:
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+        _one_line_error(proc, expected, prefix)
+        assert proc.stderr.strip().endswith("(online serves online; offline serves offline)")
+    proc = subprocess.run([sys.executable, "-m", "locust", "-f", "locustfile.py", "--headless", "--profile-file",
+                           str(path), "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    _one_line_error(proc, f"{path}:10: classes.1.name: 'batch' is served by no district of ")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            BASE.format(api="generate", carry="{}", second="bronze", share=0.3),
+            ":6: classes: the shares sum to 0.9",
+        ),
+        (
+            BASE.format(api="generate", carry="{}", second="gold", share=0.4),
+            ":10: classes.1.name: 'gold' is also",
+        ),
+        (
+            REQUIRE.format(profile_slo="{}", bronze_slo=""),
+            ":9: classes.1.slo: class 'bronze' has no SLO objective",
+        ),
+    ],
+)
+def test_bad_class_definitions_exit_2_with_one_line_through_the_cli(tmp_path, text, expected):
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    proc = subprocess.run(
+        [*LOADLAB, "validate", str(path)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    _one_line_error(proc, f"{path}{expected}")
+    assert proc.stderr.count("\n") == 1

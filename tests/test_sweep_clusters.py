@@ -275,29 +275,40 @@ def test_the_choice_requires_every_class_to_meet_its_own_slo():
 
 
 def test_overrides_make_a_new_validated_config_and_leave_the_file_s_alone(tmp_path):
-    from loadlab.cluster.config import ClusterError, flatten_overrides, load_cluster, override_cluster
+    from loadlab.cluster.config import ClusterError, flatten_overrides, load_cluster
     from loadlab.profile import ProfileError, load_profile
 
-    base = load_cluster(SWEEPS / "clusters" / "split.yaml")
+    split = SWEEPS / "clusters" / "split.yaml"
+    base = load_cluster(split)
     nested = {
         "districts": {"online": {"sglang": {"max_running_requests": 8}}},
         "front": {"policy": "round_robin"},
     }
     flat = flatten_overrides(nested)
     assert flat == {"districts.online.sglang.max_running_requests": 8, "front.policy": "round_robin"}
-    new = override_cluster(base, nested)
-    assert new == override_cluster(base, flat) and new is not base
+    new = load_cluster(split, overrides=nested)
+    assert new == load_cluster(split, overrides=flat) and new != base
     assert new.districts[0].sglang == {"max_running_requests": 8} and new.front.policy == "round_robin"
     assert base.districts[0].sglang == {"max_running_requests": 1} and base.front.policy == "least_queue"
     assert new.districts[1] == base.districts[1] and new.front.poll_interval_s == 0.1  # the rest as it was
     # Another kind of front starts from that kind's defaults (the router has no poll interval).
-    router = override_cluster(base, {"front.kind": "router", "districts.online.serves": None,
-                                     "districts.offline.serves": None})  # fmt: skip
+    router = load_cluster(split, overrides={"front.kind": "router", "districts.online.serves": None,
+                                            "districts.offline.serves": None})  # fmt: skip
     assert (router.front.kind, router.front.policy, router.front.poll_interval_s) == (
         "router",
         "cache_aware",
         None,
     )
+    # An orientation fills in its knobs as in a file, the ones the file (or the overrides) set winning.
+    oriented = load_cluster(split, overrides={"front.orientation": "throughput", "front.queue_size": 64})
+    assert (oriented.front.orientation, oriented.front.policy) == ("throughput", "least_queue")  # the file's
+    assert oriented.front.switch == "auto" and oriented.front.switch_after_waiting == 32  # the preset's
+    assert oriented.front.queue_size == 64 and oriented.front.poll_interval_s == 0.1
+    # One class's switch districts, checked against the districts.
+    switched = load_cluster(split, overrides={"front.switch.online": ["offline"]})
+    assert switched.switch_routes() == {"online": ["offline"]}
+    with pytest.raises(ClusterError, match=r"override front\.switch\.online: "):
+        load_cluster(split, overrides={"front.switch.online": ["nowhere"]})
     # A district's name may hold dots: the longest name the key starts with.
     dotted = tmp_path / "d.yaml"
     dotted.write_text("districts:\n  - name: a\n  - name: a.b\n")

@@ -44,9 +44,10 @@ def load_summary(run_dir: Path) -> Summary:
     return Summary.read(run_dir)
 
 
-def compare(a: Summary, b: Summary) -> list[dict[str, Any]]:
+def _rows(a: Any, b: Any, figures) -> list[dict[str, Any]]:
+    """A row per figure both have: A, B, the change from A to B and whether it is notably better or worse."""
     rows = []
-    for label, path, unit, lower_better in FIGURES:
+    for label, path, unit, lower_better in figures:
         va, vb = _get(a, path), _get(b, path)
         if not isinstance(va, int | float) or not isinstance(vb, int | float):
             continue
@@ -58,8 +59,25 @@ def compare(a: Summary, b: Summary) -> list[dict[str, Any]]:
     return rows
 
 
+def compare(a: Summary, b: Summary) -> list[dict[str, Any]]:
+    return _rows(a, b, FIGURES)
+
+
+# Each class's figures, as the run's (summary.json's classes[i] keys); its verdict follows them.
+CLASS_FIGURES = (
+    ("output throughput", ("output_throughput",), "tok/s", False),
+    *(
+        (f"{metric} {label}", (stem, stat), "ms", True)
+        for metric, stem in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_latency_ms"))
+        for label, stat in (("P50", "median"), ("P95", "p95"), ("P99", "p99"))
+    ),
+    ("failed requests", ("failed",), "", True),
+)
+
+
 def compare_classes(a: Summary, b: Summary) -> list[dict[str, Any]]:
-    """Each class of either run (A's order, then B's others): its TTFT P95 and SLO verdict in A and B."""
+    """Each class of either run (A's order, then B's others): its TTFT P95 and SLO verdict in A and B, and
+    ``figures``, its figures side by side as ``compare`` gives the run's (empty when one run lacks it)."""
     by_a = {c.name: c for c in a.classes}
     by_b = {c.name: c for c in b.classes}
     rows = []
@@ -73,28 +91,35 @@ def compare_classes(a: Summary, b: Summary) -> list[dict[str, Any]]:
             "b_pass": None if cb is None else cb.slo.passed,
             "a_present": ca is not None,
             "b_present": cb is not None,
+            "a_measured": None if ca is None else ca.measured_requests,
+            "b_measured": None if cb is None else cb.measured_requests,
+            "figures": _rows(ca, cb, CLASS_FIGURES) if ca is not None and cb is not None else [],
         })  # fmt: skip
     return rows
 
 
-def _class_block(a: Summary, b: Summary) -> list[str]:
-    rows = compare_classes(a, b)
+def _verdict(present: bool, v: bool | None) -> str:
+    return "-" if not present else ("n/a" if v is None else ("PASS" if v else "FAIL"))
+
+
+def _figure_line(r: dict[str, Any], indent: str = "") -> str:
+    change = f"{r['change'] * 100:+.1f}%" if r["change"] is not None else "n/a"
+    name = f"{indent}{r['figure']} ({r['unit']})" if r["unit"] else f"{indent}{r['figure']}"
+    return f"{name:<28} {r['a']:>12.2f} {r['b']:>12.2f} {change:>8}  {r['verdict']}"
+
+
+def _class_block(rows: list[dict[str, Any]]) -> list[str]:
+    """Each class's figures in A and B side by side, then its verdict in each."""
     if not rows:
         return []
-
-    def ms(present: bool, v: float | None) -> str:
-        return "-" if not present else ("n/a" if v is None else f"{v:.2f}")
-
-    def verdict(present: bool, v: bool | None) -> str:
-        return "-" if not present else ("n/a" if v is None else ("PASS" if v else "FAIL"))
-
-    lines = ["", f"{'class':<16} {'A TTFT P95':>11} {'B TTFT P95':>11} {'A SLO':>6} {'B SLO':>6}", "-" * 54]
+    lines = ["", f"{'per class':<28} {'A':>12} {'B':>12} {'change':>8}", "-" * 64]
     for r in rows:
-        lines.append(
-            f"{r['class']:<16} {ms(r['a_present'], r['a_ttft_p95']):>11} {ms(r['b_present'], r['b_ttft_p95']):>11} "
-            f"{verdict(r['a_present'], r['a_pass']):>6} {verdict(r['b_present'], r['b_pass']):>6}"
-        )
-    lines.append("(TTFT P95 in ms; '-': the run has no such class)")
+        measured = " / ".join("-" if r[f"{x}_measured"] is None else str(r[f"{x}_measured"]) for x in "ab")
+        lines.append(f"class {r['class']} ({measured} measured)")
+        lines += [_figure_line(f, "  ") for f in r["figures"]]
+        lines.append(f"{'  SLO':<28} {_verdict(r['a_present'], r['a_pass']):>12} "
+                     f"{_verdict(r['b_present'], r['b_pass']):>12}")  # fmt: skip
+    lines.append("('-': the run has no such class)")
     return lines
 
 
@@ -110,14 +135,18 @@ def render(a_dir: Path, b_dir: Path, a: Summary, b: Summary, rows: list[dict[str
         if s.client is not None and s.client.client_bound:
             lines.append(f"note: {run} was client-bound: its latencies include the load generator's delay")
     lines += ["", f"{'figure':<28} {'A':>12} {'B':>12} {'change':>8}", "-" * 64]
-    for r in rows:
-        change = f"{r['change'] * 100:+.1f}%" if r["change"] is not None else "n/a"
-        name = f"{r['figure']} ({r['unit']})" if r["unit"] else r["figure"]
-        lines.append(f"{name:<28} {r['a']:>12.2f} {r['b']:>12.2f} {change:>8}  {r['verdict']}")
-    lines += _class_block(a, b)
-    notable = [r for r in rows if r["verdict"]]
-    lines += [
-        "",
-        "Changes of 5% or more: " + (", ".join(f"{r['figure']} {r['verdict']}" for r in notable) or "none"),
-    ]
+    lines += [_figure_line(r) for r in rows]
+    if a.slo.passed is not None or b.slo.passed is not None:
+        every = " (every class)" if a.classes or b.classes else ""
+        lines.append(
+            f"{'SLO' + every:<28} {_verdict(True, a.slo.passed):>12} {_verdict(True, b.slo.passed):>12}"
+        )
+    classes = compare_classes(a, b)
+    lines += _class_block(classes)
+    notable = [f"{r['figure']} {r['verdict']}" for r in rows if r["verdict"]]  # the run's; each class's above
+    flips = [f"{c['class']} {_verdict(True, c['a_pass'])} -> {_verdict(True, c['b_pass'])}" for c in classes
+             if c["a_present"] and c["b_present"] and c["a_pass"] != c["b_pass"]]  # fmt: skip
+    lines += ["", "Changes of 5% or more: " + (", ".join(notable) or "none")]
+    if flips:
+        lines.append("Verdicts that changed: " + ", ".join(flips))
     return "\n".join(lines) + "\n"

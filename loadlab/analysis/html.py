@@ -6,6 +6,9 @@ TTFT of the requests sent in each second, and the server's running/queued reques
 /metrics, when scraped). With several workers (records naming their worker, or several servers scraped), a
 per-worker timeline: each worker's requests in flight (records' served_by), and its running and queued
 requests and KV usage (its own /metrics rows), one line per worker, so one idle while others queue shows.
+With SLO classes the page opens with them: the overall verdict, a table of the classes side by side (counts,
+TTFT/TPOT/E2E P50/P95/P99, output tok/s, verdict) and TTFT, TPOT and E2E CDFs with a line per class and each
+class's SLO limits, in its colour.
 """
 
 from __future__ import annotations
@@ -230,8 +233,173 @@ def _per_worker(df: pd.DataFrame, server_rows: list[dict[str, Any]], workers: li
     return fig
 
 
+# -- per SLO class ------------------------------------------------------------------------------------------
+# Each class's colour, in the summary's order (the profile's): matplotlib's tab10 without its blue (the
+# run-wide lines) and its grey (the percentile marks), so a class is never mistaken for either. Past eight
+# classes the colours repeat with a dash-dot line.
+CLASS_COLOURS = ("#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
+VERDICT_COLOURS = {True: "#116329", False: "#a40e26", None: "#666666"}  # darker than any class colour
+CLASS_PANELS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_latency_ms", "E2E"))
+# The per-class table's counts and statistics: (heading, the summary.json key or statistic of a class).
+CLASS_COUNTS = (("measured", "measured_requests"), ("completed", "completed"), ("failed", "failed"))
+CLASS_STATS = (("P50", "median"), ("P95", "p95"), ("P99", "p99"))
+
+
+def class_colour(i: int) -> str:
+    return CLASS_COLOURS[i % len(CLASS_COLOURS)]
+
+
+def _sorted_finite(values: Any) -> np.ndarray:
+    v = np.sort(np.asarray(values if values is not None else [], dtype=float))
+    return v[np.isfinite(v)]
+
+
+def _class_cdfs(summary: Summary, class_samples: dict[str, dict[str, np.ndarray]]):
+    """TTFT, TPOT and E2E CDFs, one line per class in its colour, and each limit the class is judged by (its
+    slo, else the profile's) as a dashed vertical line in the same colour, a circle at its percentile."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    fig, axes = plt.subplots(1, len(CLASS_PANELS), figsize=(16, 3.8))
+    for ax, (stem, title) in zip(axes, CLASS_PANELS, strict=True):
+        top = 0.0
+        for i, c in enumerate(summary.classes):
+            values = _sorted_finite(class_samples.get(c.name, {}).get(stem))
+            if not values.size:
+                continue
+            style = "-" if i < len(CLASS_COLOURS) else "-."
+            ax.plot(
+                values, np.arange(1, values.size + 1) / values.size, color=class_colour(i), ls=style, lw=1.8
+            )
+            tail = np.percentile(values, 99.9)
+            top = max(top, tail if values[-1] > 3 * tail else values[-1])  # a long tail hides the body
+        shown, data_top = 0, top
+        for i, c in enumerate(summary.classes):
+            for o in c.slo.objectives:
+                if o.metric != stem:
+                    continue
+                colour = class_colour(i)
+                if data_top and o.threshold_ms > 2 * data_top:  # far beyond the data: named at the edge
+                    ax.text(0.98, 0.08 + 0.09 * shown, f"{c.name}: P{o.percentile} limit {o.threshold_ms:g} ms \u2192",
+                            transform=ax.transAxes, ha="right", color=colour, fontsize=8)  # fmt: skip
+                    shown += 1
+                    continue
+                top = max(top, o.threshold_ms)
+                ax.axvline(o.threshold_ms, color=colour, ls="--", lw=1.2)
+                ax.plot([o.threshold_ms], [o.percentile / 100], marker="o", ms=6, mfc="none", color=colour)
+        if top:
+            ax.set_xlim(0, top * 1.03)
+        else:
+            ax.text(0.5, 0.5, "no samples", ha="center", transform=ax.transAxes)
+        ax.set_title(f"{title} CDF per class")
+        ax.set_xlabel("ms")
+        ax.set_ylim(0, 1.01)
+        ax.grid(alpha=0.3)
+    handles = [
+        Line2D([], [], color=class_colour(i), ls="-" if i < len(CLASS_COLOURS) else "-.", lw=1.8,
+               label=f"{c.name} ({c.completed} completed)")
+        for i, c in enumerate(summary.classes)
+    ]  # fmt: skip
+    limit = Line2D([], [], color="black", ls="--", lw=1.2, marker="o", mfc="none",
+                   label="SLO limit (its class's colour; o at its percentile)")  # fmt: skip
+    # Above the panels, in one row: inside one it would hide a class's lines.
+    fig.legend(handles=[*handles, limit], loc="lower center", bbox_to_anchor=(0.5, 0.98),
+               ncol=len(handles) + 1, fontsize=9, frameon=False)  # fmt: skip
+    axes[0].set_ylabel("fraction")
+    return fig
+
+
+def _cell(key: str, value: Any, digits: str = ".2f") -> str:
+    """A table cell holding one summary.json value: shown rounded, exact in ``data-value`` (JSON's text)."""
+    if value is None:
+        shown, exact = "n/a", "null"
+    elif isinstance(value, bool):
+        shown, exact = verdict_text(value), "true" if value else "false"
+    elif isinstance(value, int):
+        shown, exact = str(value), str(value)
+    else:
+        shown, exact = f"{value:{digits}}", repr(float(value))
+    return f"<td data-key='{key}' data-value='{exact}'>{shown}</td>"
+
+
+def verdict_text(passed: bool | None) -> str:
+    return "n/a" if passed is None else ("PASS" if passed else "FAIL")
+
+
+def _verdict(passed: bool | None) -> str:
+    exact = "null" if passed is None else ("true" if passed else "false")
+    return (f"<td class='verdict' data-key='slo.pass' data-value='{exact}' style='color:{VERDICT_COLOURS[passed]}'>"
+            f"<b>{verdict_text(passed)}</b></td>")  # fmt: skip
+
+
+def _objectives(objectives) -> str:
+    return (
+        "; ".join(
+            f"{o.metric.removesuffix('_ms').removesuffix('_latency').upper()} P{o.percentile} "
+            f"{'n/a' if o.value_ms is None else f'{o.value_ms:.2f}'} ms (limit {o.threshold_ms:g} ms)"
+            for o in objectives
+        )
+        or "none"
+    )
+
+
+def _class_section(summary: Summary, image: str) -> str:
+    """The per-class verdicts: the overall one, a table (classes side by side, in their colours) and the
+    CDFs. Each figure cell names its summary.json key (``classes[i]``) and holds its exact value."""
+    slo = summary.slo
+    also = f", and the run-wide objectives over all requests ({html.escape(_objectives(slo.objectives))})"
+    overall = (
+        f"<p id='overall-slo'>Overall SLO: <b data-value='{'null' if slo.passed is None else str(slo.passed).lower()}' "
+        f"style='color:{VERDICT_COLOURS[slo.passed]}'>{verdict_text(slo.passed)}</b> (it passes only when every "
+        f"class passes{also if slo.objectives else ''}; a class without objectives is n/a and not counted)</p>"
+    )
+    metric_heads = "".join(f"<th colspan='3'>{t} (ms)</th>" for _, t in CLASS_PANELS)
+    head = (
+        "<tr><th rowspan='2'>class</th><th rowspan='2'>share</th>"
+        + "".join(f"<th rowspan='2'>{h}</th>" for h, _ in CLASS_COUNTS)
+        + metric_heads
+        + "<th rowspan='2'>output tok/s</th><th rowspan='2'>SLO</th><th rowspan='2'>objectives</th></tr><tr>"
+        + "".join(f"<th>{h}</th>" for _ in CLASS_PANELS for h, _ in CLASS_STATS)
+        + "</tr>"
+    )
+    rows = []
+    for i, c in enumerate(summary.classes):
+        cells = [
+            f"<td class='name' data-key='name'><span class='swatch' style='background:{class_colour(i)}'></span>"
+            f"{html.escape(c.name)}</td>",
+            _cell("share", c.share, "g"),
+            *(_cell(key, getattr(c, key)) for _, key in CLASS_COUNTS),
+            *(
+                _cell(f"{stat}_{stem}", getattr(getattr(c, stem), stat))
+                for stem, _ in CLASS_PANELS
+                for _, stat in CLASS_STATS
+            ),
+            _cell("output_throughput", c.output_throughput),
+            _verdict(c.slo.passed),
+            f"<td class='name'>{html.escape(_objectives(c.slo.objectives))}</td>",
+        ]
+        rows.append(f"<tr data-class='{html.escape(c.name)}'>{''.join(cells)}</tr>")
+    return (
+        f"<h2>Per class</h2>{overall}<table id='classes'>{head}{''.join(rows)}</table>"
+        "<p class='note'>Latencies over each class's measured, completed requests; output tok/s over the run's "
+        "measured duration; SLO: the class's verdict against its own slo, else the profile's.</p>"
+        f"<img alt='per-class latency CDFs' src='data:image/png;base64,{image}'>"
+    )
+
+
+CLASS_CSS = (
+    "table{border-collapse:collapse;font-size:90%}th,td{border:1px solid #ccc;padding:2px 6px}"
+    "td{text-align:right}td.name{text-align:left}td[data-key=name]{white-space:nowrap}th{background:#f6f6f6}"
+    ".swatch{display:inline-block;width:.9em;height:.9em;margin-right:.4em;vertical-align:-.1em}"
+    ".note{color:#555;font-size:90%}"
+)
+
+
 def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFrame,
-                server_rows: list[dict[str, Any]], markdown: str) -> str:  # fmt: skip
+                server_rows: list[dict[str, Any]], markdown: str,
+                class_samples: dict[str, dict[str, np.ndarray]] | None = None) -> str:  # fmt: skip
+    """The page. With SLO classes it opens with the per-class section (``class_samples``: each class's
+    samples, as ``compute_summary`` gives them); without, the page has no trace of them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -243,11 +411,14 @@ def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFra
     if workers or len(scraped) > 1:  # a cluster: each worker on its own line
         down = {w.served_by: w.unreachable_from for w in summary.workers if w.unreachable_from is not None}
         makers.append(lambda: _per_worker(df, server_rows, workers, down))
+    if summary.classes:  # last, so the images above keep their places
+        makers.append(lambda: _class_cdfs(summary, class_samples or {}))
     images = []
     for make in makers:
         fig = make()
         images.append(png_base64(fig))
         plt.close(fig)
+    per_class = _class_section(summary, images.pop()) if summary.classes else ""
     per_worker = (
         f"<h2>Per worker</h2><img alt='per-worker timeline' src='data:image/png;base64,{images[2]}'>"
         if len(images) > 2
@@ -257,8 +428,9 @@ def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFra
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
         "<style>body{font-family:sans-serif;max-width:1200px;margin:1em auto}img{max-width:100%}"
-        "pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}</style></head><body>"
-        f"<h1>{title}</h1><h2>Latency CDFs</h2><img alt='latency CDFs' src='data:image/png;base64,{images[0]}'>"
+        f"pre{{white-space:pre-wrap;background:#f6f6f6;padding:1em}}{CLASS_CSS if per_class else ''}</style>"
+        f"</head><body><h1>{title}</h1>{per_class}"
+        f"<h2>Latency CDFs</h2><img alt='latency CDFs' src='data:image/png;base64,{images[0]}'>"
         f"<h2>Timeline</h2><img alt='timeline' src='data:image/png;base64,{images[1]}'>{per_worker}"
         f"<h2>Summary</h2><pre>{html.escape(markdown)}</pre></body></html>\n"
     )

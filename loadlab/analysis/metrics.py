@@ -377,12 +377,15 @@ def compute_summary(
     manifest: Manifest | None,
     server_rows: list[dict[str, Any]] | None = None,
     samples_out: dict[str, np.ndarray] | None = None,
+    class_samples_out: dict[str, dict[str, np.ndarray]] | None = None,
 ) -> Summary:
     """The run summary from its records (a DataFrame as ``load_records`` returns) and manifest.
 
     Pure: reads nothing, writes nothing. Keys follow sglang bench_serving where it has one (duration,
     completed, total_input_tokens, ..., mean_ttft_ms, p99_itl_ms, median_e2e_latency_ms, concurrency);
-    the rest are documented in docs/metrics.md and typed in ``Summary`` (summary.py).
+    the rest are documented in docs/metrics.md and typed in ``Summary`` (summary.py). ``samples_out`` and
+    ``class_samples_out`` (class name -> its samples) receive the per-request samples behind the figures,
+    for the plots.
     """
     run = _from_manifest(manifest)
     if df is None:
@@ -655,6 +658,8 @@ def compute_summary(
         for stem, arr in class_samples.items():
             entry.update(describe(arr, stem))
         summary["classes"].append(entry)
+        if class_samples_out is not None:  # each class's own samples, for its plots
+            class_samples_out[name] = class_samples
     verdicts = [
         v for v in (summary["slo"]["pass"], *(c["slo"]["pass"] for c in summary["classes"])) if v is not None
     ]

@@ -6,8 +6,9 @@
 - ``omni``: loadlab's own global front (its own process; the launcher starts it), ``policies``: its
   routing decisions as pure functions (shared with the virtual-time model), ``signals``: what it polls.
 
-It imports the twin's settings, ``loadlab.procs`` and ``loadlab.yamlconfig``; never the targets, the swarm
-or the analysis (``loadlab.target.cluster`` starts a cluster for a run).
+It imports the twin's settings, ``loadlab.procs``, ``loadlab.yamlconfig`` and ``loadlab.profile`` (to check
+a profile's classes against the districts: ``config.check_classes``); never the targets, the swarm or the
+analysis (``loadlab.target.cluster`` starts a cluster for a run).
 """
 
 # The one line ``loadlab cluster`` prints on stdout when every worker and the front answer, followed by a

@@ -5,6 +5,7 @@ file, the line and the key. ``docs/cluster.md`` documents the format.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,10 +22,18 @@ from pydantic import (
     model_validator,
 )
 
-from loadlab.profile import CLUSTER_OVERRIDES, TargetConfig
+from loadlab.cluster.policies import (
+    CLASS_HEADER,
+    DEFAULT_CLASS,
+    SWITCH_AUTO,
+    class_districts,
+    switch_problem,
+    switch_routes,
+)
+from loadlab.profile import CLUSTER_OVERRIDES, Profile, ProfileError, TargetConfig
 from loadlab.sim.cost import GPUS, MODELS
 from loadlab.sim.settings import BY_NAME, check_embedded_settings, resolve_settings
-from loadlab.yamlconfig import ConfigError, describe, read_mapping, validation_message, where
+from loadlab.yamlconfig import ConfigError, Lines, describe, read_mapping, validation_message, where
 
 FrontKind = Literal["router", "omni", "none"]
 # The policies each front offers (the router's are sglang-router's `--policy` names).
@@ -36,6 +45,33 @@ POLICIES: dict[str, tuple[str, ...]] = {
 DEFAULT_POLICY = {"router": "cache_aware", "omni": "least_queue"}  # the router's own default; omni's
 DEFAULT_POLL_INTERVAL_S = 0.5
 DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_SWITCH_AFTER_WAITING = 0
+DEFAULT_IN_FLIGHT_FRACTION = 1.0
+# The seed's four orientations of its global scheduler (shared/seed/brief.md section 3), each a named set
+# of omni's knobs; a key the file sets itself wins over its orientation's. docs/omni.md says why each value.
+# The switch cannot name districts in a preset (they are the file's), so a preset says auto (every class
+# may divert to every district not serving it) or false (no switch).
+ORIENTATIONS: dict[str, dict[str, Any]] = {
+    # offline batch: big decode batches. Cache affinity (prefix) raises radix hits, so less prefill cuts in;
+    # a deep queue rejects nothing (tails uncontrolled); a class spills only a sustained backlog (32),
+    # keeping the other district's batches mostly its own.
+    "throughput": {"policy": "prefix", "poll_interval_s": 1.0, "queue_size": 4096, "in_flight_fraction": 1.0,
+                   "switch": "auto", "switch_after_waiting": 32},
+    # online chat / RAG: small batches in the stable range (omni fills only 3/4 of each worker's
+    # max_running_requests, so fewer prefills cut into a decode batch: lower utilisation is its price); no
+    # request waits at the front while another district has room; fresh signals for the decisions.
+    "latency": {"policy": "least_queue", "poll_interval_s": 0.1, "queue_size": 256, "in_flight_fraction": 0.75,
+                "switch": "auto", "switch_after_waiting": 0},
+    # strict SLO on the main path: route by KV use (no worker pushed into preemption), a short bounded
+    # queue that rejects overload (429) instead of letting P95 grow, and no switch: a class's overload
+    # never moves into another class's district.
+    "stability": {"policy": "least_kv", "poll_interval_s": 0.25, "queue_size": 32, "in_flight_fraction": 1.0,
+                  "switch": False, "switch_after_waiting": 0},
+    # scarce GPUs, mixed offline: every free slot anywhere is used at once, nothing is refused (queueing
+    # accepted), slow cheap polls and a two-choice policy (latency swings accepted).
+    "cost": {"policy": "power_of_two", "poll_interval_s": 2.0, "queue_size": 8192, "in_flight_fraction": 1.0,
+             "switch": "auto", "switch_after_waiting": 0},
+}  # fmt: skip
 # Twins served by one process (one event loop); measured in bench/cluster_realtime.py (docs/cluster.md).
 DEFAULT_WORKERS_PER_PROCESS = 1
 # Set by the district itself (gpu, model) or by the launcher (where a worker listens, how it logs).
@@ -100,6 +136,36 @@ class Front(_Strict):
     queue_size: StrictInt | None = Field(
         None, gt=0, description=f"omni: the most requests its queue holds (default {DEFAULT_QUEUE_SIZE})"
     )
+    max_in_flight_per_worker: StrictInt | None = Field(
+        None,
+        gt=0,
+        description="omni: the most requests it lets one worker have in flight (its --max-in-flight-per-worker; "
+        "default: in_flight_fraction of the worker's max_running_requests); above max_running_requests, the "
+        "wait is in the worker's own queue",
+    )
+    orientation: str | None = Field(
+        None,
+        description="omni: a named set of its knobs, the seed's four orientations: "
+        f"{', '.join(ORIENTATIONS)} (keys set here win over it)",
+    )
+    switch: Any = Field(
+        None,
+        description="omni: where a saturated class's overflow may go: {class: [district, ...]}, auto (every "
+        "district not serving the class) or false (none, the default)",
+    )
+    in_flight_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="omni: its limit on requests in flight at a worker, as a fraction of the worker's "
+        f"max_running_requests (rounded down; default {DEFAULT_IN_FLIGHT_FRACTION:g}: the whole batch)",
+    )
+    switch_after_waiting: StrictInt | None = Field(
+        None,
+        ge=0,
+        description="omni: a class switches only while more than this many of its requests wait at omni "
+        f"(default {DEFAULT_SWITCH_AFTER_WAITING})",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -109,11 +175,47 @@ class Front(_Strict):
         kind = data.get("kind", "router")
         if kind == "omni":
             defaults = {"policy": DEFAULT_POLICY["omni"], "poll_interval_s": DEFAULT_POLL_INTERVAL_S,
-                        "queue_size": DEFAULT_QUEUE_SIZE}  # fmt: skip
-            return {**defaults, **{k: v for k, v in data.items() if v is not None}}
+                        "queue_size": DEFAULT_QUEUE_SIZE, "in_flight_fraction": DEFAULT_IN_FLIGHT_FRACTION,
+                        "switch": False,
+                        "switch_after_waiting": DEFAULT_SWITCH_AFTER_WAITING}  # fmt: skip
+            # An unknown name adds nothing here; the orientation field's check names the valid ones.
+            name = data.get("orientation")
+            preset = ORIENTATIONS.get(name, {}) if isinstance(name, str) else {}
+            return {**defaults, **preset, **{k: v for k, v in data.items() if v is not None}}
         if kind == "router" and data.get("policy") is None:
             return {**data, "policy": DEFAULT_POLICY["router"]}
         return data
+
+    @field_validator("orientation")
+    @classmethod
+    def _known_orientation(cls, orientation: str | None) -> str | None:
+        if orientation is not None and orientation not in ORIENTATIONS:
+            raise ValueError(f"expected one of {', '.join(ORIENTATIONS)}, got {orientation!r}")
+        return orientation
+
+    @field_validator("switch")
+    @classmethod
+    def _switch_shape(cls, switch: Any) -> Any:
+        """False or None: no switch; ``auto``; or {class: [district, ...]} (one district may be given
+        alone). What the names mean is checked against the districts by ``load_cluster``."""
+        if switch is None or switch is False or switch == SWITCH_AUTO:
+            return None if switch is False else switch
+        if isinstance(switch, dict) and switch:
+            out = {}
+            for c, targets in switch.items():
+                targets = [targets] if isinstance(targets, str) else targets
+                if (
+                    not isinstance(c, str)
+                    or not isinstance(targets, list)
+                    or not all(isinstance(d, str) for d in targets)
+                ):
+                    raise ValueError(f"{c}: expected a district or a list of districts, got {targets!r}")
+                out[c] = targets
+            return out
+        raise ValueError(
+            f"expected {SWITCH_AUTO}, false or a mapping of class to districts (e.g. {{online: [offline]}}), "
+            f"got {switch!r}"
+        )
 
     @field_validator("policy")
     @classmethod
@@ -129,7 +231,15 @@ class Front(_Strict):
             raise ValueError(f"{kind}: expected one of {', '.join(POLICIES[kind])}, got {policy!r}")
         return policy
 
-    @field_validator("poll_interval_s", "queue_size")
+    @field_validator(
+        "poll_interval_s",
+        "queue_size",
+        "max_in_flight_per_worker",
+        "orientation",
+        "in_flight_fraction",
+        "switch",
+        "switch_after_waiting",
+    )
     @classmethod
     def _omni_only(cls, value: Any, info: ValidationInfo) -> Any:
         kind = info.data.get("kind")
@@ -153,6 +263,28 @@ class ClusterConfig(_Strict):
     @property
     def total_workers(self) -> int:
         return sum(d.workers for d in self.districts)
+
+    def class_pools(self) -> dict[str, list[str]]:
+        """Which districts serve each class (``policies.class_districts``)."""
+        return class_districts([(d.name, d.serves) for d in self.districts])
+
+    def switch_routes(self) -> dict[str, list[str]]:
+        """Each class's switch districts, resolved (``auto`` expanded); empty without a switch."""
+        return switch_routes(self.class_pools(), [d.name for d in self.districts], self.front.switch)
+
+    def front_settings(self) -> dict[str, Any] | None:
+        """The front's resolved knobs, as the launcher passes them (None without a front): omni's
+        orientation, policy, poll interval, queue size, in-flight limit or fraction and switch (resolved); the
+        router's policy."""
+        f = self.front
+        if f.kind == "none":
+            return None
+        if f.kind == "router":
+            return {"policy": f.policy}
+        return {"orientation": f.orientation, "policy": f.policy, "poll_interval_s": f.poll_interval_s,
+                "queue_size": f.queue_size, "max_in_flight_per_worker": f.max_in_flight_per_worker,
+                "in_flight_fraction": f.in_flight_fraction, "switch": self.switch_routes(),
+                "switch_after_waiting": f.switch_after_waiting}  # fmt: skip
 
     def processes(self) -> list[tuple[District, int]]:
         """The worker processes to start: (district, twins in it), districts in order."""
@@ -189,8 +321,9 @@ def load_cluster(
 ) -> ClusterConfig:
     """Reads and checks a cluster file. Relative paths in it (a tokenizer) are relative to the file.
     ``as_target``: a run's target (a profile's ``target.cluster``), which needs one URL to aim at: a front,
-    or a single worker. ``overrides``: settings laid over the file (``override_cluster``); ``source``
-    prefixes their keys in messages (``--set ``, ``target.cluster_overrides.``)."""
+    or a single worker. ``overrides``: settings laid over the file, a district by its name
+    (``districts.online.sglang.max_running_requests``; ``override_cluster``); ``source`` prefixes their
+    keys in messages (``--set ``, ``target.cluster_overrides.``)."""
     path = Path(path)
     label = str(path)
     data, lines = read_mapping(path, "cluster", ClusterError)
@@ -199,6 +332,7 @@ def load_cluster(
         sglang = d.get("sglang") if isinstance(d, dict) else None
         if isinstance(sglang, dict) and isinstance(sglang.get("tokenizer"), str):
             sglang["tokenizer"] = os.path.abspath(path.parent / sglang["tokenizer"])
+    written = copy.deepcopy(data)  # the file's own keys, for the overrides (validation fills in the rest)
     try:
         config = ClusterConfig.model_validate(data)
     except ValidationError as e:
@@ -207,10 +341,10 @@ def load_cluster(
     def fail(loc: list[str], problem: str) -> NoReturn:
         raise ClusterError(f"{where(label, lines, loc)}: {'.'.join(loc)}: {problem}")
 
-    _check_config(config, as_target, fail)
+    _check_config(config, as_target, fail, lines)
     if overrides:
         # The file is checked first, so every problem from here on is an override's.
-        config = override_cluster(config, overrides, label, as_target, source)
+        config = override_cluster(config, written, overrides, label, as_target, source)
     return config
 
 
@@ -221,8 +355,11 @@ def load_target_cluster(target: TargetConfig) -> ClusterConfig:
     return load_cluster(target.cluster, True, target.cluster_overrides, f"{CLUSTER_OVERRIDES}.")
 
 
-def _check_config(config: ClusterConfig, as_target: bool, fail: Callable[[list[str], str], NoReturn]) -> None:
-    """What the schema cannot say about one field alone; ``fail(loc, problem)`` raises the error."""
+def _check_config(
+    config: ClusterConfig, as_target: bool, fail: Callable[[list[str], str], NoReturn], given: Lines
+) -> None:
+    """What the schema cannot say about one field alone; ``fail(loc, problem)`` raises the error. ``given``:
+    the key paths the file (or the overrides) set, for a problem of two keys to name the one given."""
     seen: dict[str, int] = {}
     for i, d in enumerate(config.districts):
         loc = ["districts", str(i)]
@@ -244,6 +381,19 @@ def _check_config(config: ClusterConfig, as_target: bool, fail: Callable[[list[s
     if serving and config.front.kind != "omni":
         fail(["districts", str(serving[0]), "serves"], "routing by class needs front kind omni (this front "
              f"is {config.front.kind}: every worker serves every class)")  # fmt: skip
+    switch = config.front.switch
+    if isinstance(switch, dict):  # auto needs no check: it names only districts that exist
+        pools, names = config.class_pools(), [d.name for d in config.districts]
+        for cls, targets in switch.items():
+            problem = switch_problem(pools, names, cls, targets)
+            if problem:
+                fail(["front", "switch", cls], problem)
+    front = config.front
+    if config.switch_routes() and front.switch_after_waiting > front.queue_size:
+        key = "switch_after_waiting" if ("front", "switch_after_waiting") in given else "queue_size"
+        fail(["front", key], f"the switch waits for more than {front.switch_after_waiting} requests in line, but "
+             f"the queue holds {front.queue_size}: it would answer 429 before the switch ever diverts "
+             "(switch_after_waiting may not exceed queue_size)")  # fmt: skip
     if as_target and config.front.kind == "none" and config.total_workers > 1:
         fail(["front", "kind"], f"a run aims at one URL, and a cluster without a front has "
              f"{config.total_workers} workers: give it a front (router or omni)")  # fmt: skip
@@ -282,19 +432,23 @@ def flatten_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 def override_cluster(
     config: ClusterConfig,
+    written: Mapping[str, Any],
     overrides: Mapping[str, Any],
     label: str = "<cluster>",
     as_target: bool = False,
     source: str = "override ",
 ) -> ClusterConfig:
-    """A new ``ClusterConfig``: ``config`` with ``overrides`` laid on (dotted keys, nested or flat; a
-    district addressed by its name: ``districts.online.sglang.max_running_requests``, ``front.policy``),
-    validated as a file is. The config itself is frozen and left as it was; ``model_copy(update=)`` would
-    skip validation, so the copy is made from a dump. A bad override is a ``ClusterOverrideError``."""
+    """A new ``ClusterConfig``: ``config`` (loaded from the mapping ``written``) with ``overrides`` laid on
+    (dotted keys, nested or flat; a district addressed by its name: ``districts.online.sglang.
+    max_running_requests``, ``front.policy``, ``front.switch.online``), validated and checked as a file is;
+    ``config`` itself is frozen and stays as it was. The values go over the file's own keys, not over the
+    resolved config (``model_copy(update=)`` would also skip validation): what the front's kind and
+    orientation fill in is filled in again for the new values, as if the file said so. A bad override is a
+    ``ClusterOverrideError`` naming it."""
     flat = flatten_overrides(overrides)
     if not flat:
         return config
-    data = config.model_dump()
+    data = copy.deepcopy(dict(written))
     names = [d.name for d in config.districts]
     front: dict[str, Any] = {}
 
@@ -317,22 +471,25 @@ def override_cluster(
             district = data["districts"][names.index(name)]
             field = rest.removeprefix(name + ".").split(".")
             if field[0] == "sglang" and len(field) == 2:
-                district["sglang"] = {**district["sglang"], field[1]: value}
+                district["sglang"] = {**(district.get("sglang") or {}), field[1]: value}
             elif len(field) == 1 and field[0] in DISTRICT_KEYS:
                 district[field[0]] = value
             else:
                 bad(key, f"not a key of a district (known: {', '.join(DISTRICT_KEYS)}, sglang.SETTING)")
         elif parts[0] == "front" and len(parts) == 2 and parts[1] in FRONT_KEYS:
             front[parts[1]] = value
+        elif parts[:2] == ["front", "switch"] and len(parts) == 3:  # one class's switch districts
+            switch = front.get("switch", (data.get("front") or {}).get("switch"))
+            front["switch"] = {**(switch if isinstance(switch, dict) else {}), parts[2]: value}
         elif len(parts) == 1 and parts[0] in TOP_KEYS:
             data[parts[0]] = value
         else:
             bad(key, f"not a key of a cluster file that can be overridden (known: {OVERRIDE_KEYS})")
     if front:
-        if front.get("kind", data["front"]["kind"]) != data["front"]["kind"]:
+        if front.get("kind", config.front.kind) != config.front.kind:
             data["front"] = front  # another kind of front: its own defaults, not the file's other kind's
         else:
-            data["front"] = {**data["front"], **front}
+            data["front"] = {**(data.get("front") or {}), **front}
 
     def blame(loc: list[str]) -> str:
         """The override behind a problem at ``loc`` (districts by name): the key at, under or above it;
@@ -352,8 +509,82 @@ def override_cluster(
     def fail(loc: list[str], problem: str) -> NoReturn:
         bad(blame(loc), problem)
 
-    _check_config(new, as_target, fail)
+    _check_config(new, as_target, fail, {tuple(k.split(".")): 0 for k in flat})
     return new
+
+
+def check_classes(
+    profile: Profile, profile_path: str | Path | None, config: ClusterConfig, cluster_path: str | Path
+) -> list[str]:
+    """A profile's SLO classes against the cluster it runs on (its ``target.cluster``, or virtual time's
+    ``--cluster``), before any load: what omni would do with each class's requests. Here and not in the
+    profile loader, which sits below the clusters (docs/architecture.md, Layers).
+
+    Only a cluster that routes by class (an omni front, a district with ``serves``) is checked. A
+    ``ProfileError`` (one line, the profile's file:line) for a class served by no district, for a class a
+    district names whose requests do not carry it in omni's header (omni would route them as class-less),
+    and for a profile without classes that no district serves. Returns warnings: a district serving a class
+    the profile does not define is not an error (a cluster file serves many profiles)."""
+    if config.front.kind != "omni" or all(d.serves is None for d in config.districts):
+        return []  # every worker serves every request
+    label = str(profile_path) if profile_path is not None else "<profile>"
+    lines = _lines(profile_path, ProfileError)
+    cluster = _shown(cluster_path)
+    pools = class_districts([(d.name, d.serves) for d in config.districts])
+    served = "; ".join(f"{d.name} serves {', '.join(d.serves) if d.serves else 'any class'}"
+                       for d in config.districts)  # fmt: skip
+
+    def fail(loc: list[str], problem: str) -> None:
+        raise ProfileError(f"{where(label, lines, loc)}: {'.'.join(loc)}: {problem}")
+
+    classes = profile.classes or []
+    if not classes and DEFAULT_CLASS not in pools:
+        fail(["target", "cluster"], f"every district of {cluster} serves named classes only ({served}) and the "
+             "profile has no classes: omni would refuse every request; give the profile classes or the "
+             "cluster a district without serves")  # fmt: skip
+    for i, cls in enumerate(classes):
+        if cls.name not in pools:  # no district names it: it goes where class-less requests go, if anywhere
+            if DEFAULT_CLASS not in pools:
+                fail(
+                    ["classes", str(i), "name"],
+                    f"{cls.name!r} is served by no district of {cluster} ({served})",
+                )
+            continue
+        header = cls.carry.header
+        if header is None or header.lower() != CLASS_HEADER:
+            naming = ", ".join(d.name for d in config.districts if d.serves and cls.name in d.serves)
+            sent = "no class header" if header is None else f"its class in {header}"
+            fail(["classes", str(i), "carry", "header"],
+                 f"class {cls.name!r} is routed to district {naming} of {cluster} by the {CLASS_HEADER} "
+                 f"header, and its requests carry {sent}: set carry.header: {CLASS_HEADER}")  # fmt: skip
+    names = {cls.name for cls in classes}
+    cluster_lines = _lines(cluster_path, ClusterError)
+    warnings = []
+    for j, d in enumerate(config.districts):
+        for c in d.serves or ():
+            if c not in names:
+                whose = f"its classes: {', '.join(sorted(names))}" if names else "it has no classes"
+                warnings.append(f"{where(cluster, cluster_lines, ['districts', str(j), 'serves'])}: "
+                                f"districts.{j}.serves: district {d.name} serves {c!r}, which is not a class "
+                                f"of {label} ({whose}): no request of the run is of that class")  # fmt: skip
+    return warnings
+
+
+def _lines(path: str | Path | None, error: type[ConfigError]) -> Lines:
+    """The key lines of a file already loaded (for the message's file:line); none when it cannot be read."""
+    if path is None:
+        return {}
+    try:
+        return read_mapping(path, "file", error)[1]
+    except ConfigError:
+        return {}
+
+
+def _shown(path: str | Path) -> str:
+    """A path as messages show it: relative to the working directory when under it (a profile's
+    target.cluster is made absolute when it is loaded)."""
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith("..") else rel
 
 
 def is_cluster_file(path: str | Path) -> bool:

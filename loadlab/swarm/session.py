@@ -4,9 +4,11 @@ of twins, probed)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
+from loadlab.cluster.config import check_classes
 from loadlab.manifest import TargetInfo
 from loadlab.profile import ProfileError, load_profile
 from loadlab.swarm.options import OPEN_LOOP_MAX_USERS, overrides_from_options
@@ -15,6 +17,8 @@ from loadlab.target.embedded import EmbeddedServer
 from loadlab.target.probe import TargetError, probe
 from loadlab.workload import build_workload
 from loadlab.workload.text import Renderer
+
+log = logging.getLogger("loadlab")
 
 
 class Session:
@@ -33,12 +37,17 @@ class Session:
         self.embedded: EmbeddedServer | EmbeddedCluster | None = None
         target = self.profile.target
         if target.url == "embedded":
-            # A cluster file that does not load is bad input, like the profile (a ClusterError).
-            self.embedded = (
-                EmbeddedCluster(target.cluster, target.cluster_overrides)
-                if target.cluster
-                else EmbeddedServer(target.embedded)
-            )
+            # A cluster file that does not load is bad input, like the profile (a ClusterError), and so are
+            # classes its districts do not serve (a ProfileError): both before anything starts. The
+            # profile's cluster_overrides are laid over the file (checked the same way).
+            if target.cluster:
+                self.embedded = EmbeddedCluster(target.cluster, target.cluster_overrides)
+                for warning in check_classes(
+                    self.profile, self.profile_path, self.embedded.config, target.cluster
+                ):
+                    log.warning(warning)
+            else:
+                self.embedded = EmbeddedServer(target.embedded)
             environment.host = self.embedded.start()
         else:
             environment.host = target.url

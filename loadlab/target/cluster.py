@@ -66,5 +66,6 @@ class EmbeddedCluster(ReadyLineProcess):
                 for d in self.config.districts
             ],
             workers_per_process=self.config.workers_per_process,
+            front_settings=self.config.front_settings(),
             overrides=self.overrides or None,
         )
