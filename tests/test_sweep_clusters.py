@@ -190,6 +190,9 @@ BAD = [
     ("axes: {target.cluster: [clusters/split.yaml, clusters/enlarge.yaml], "
      "cluster.districts.online.workers: [1]}", "axes: cluster.districts.online.workers=1: no district 'online'"),
     ("set: [cluster.front.queue_size=0]\naxes: {load.concurrency: [4]}", "set: cluster.front.queue_size=0: "),
+    # A configuration whose districts leave a class of the profile unserved (its runs would be refused).
+    ("axes: {cluster.districts.offline.serves: [[offline], [batch]]}",
+     "axes: cluster.districts.offline.serves=['batch']: "),
     ("axes: {cluster.front.policy: [round_robin]}\nlaunch: [loadlab, sim, --port, '{port}']",
      "axes: cluster.front.policy: the runs aim at the launched server"),
     ("set: [target.url=http://127.0.0.1:1]\naxes: {cluster.front.policy: [round_robin]}",

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from loadlab.cluster.config import ClusterOverrideError, load_target_cluster
+from loadlab.cluster.config import ClusterOverrideError, check_classes, load_target_cluster
 from loadlab.profile import (
     CLUSTER_OVERRIDES,
     EMBEDDED,
@@ -164,10 +164,10 @@ def load_sweep(path: str | Path) -> SweepSpec:
             run_profile = load_profile(base, profile_overrides(given, base.parent))
         except ProfileError as e:
             if not _has_cluster(base, {k: v for k, v in given.items() if cluster_key(k) is None}):
-                _check_cluster(path, None, sets, config)  # a cluster axis without a cluster: says so
+                _check_cluster(path, base, None, sets, config)  # a cluster axis without a cluster: says so
             raise SweepError(f"{path}: set/axes {label(given)}: {e}") from None
         fresh = fresh and run_profile.target.url == EMBEDDED
-        _check_cluster(path, run_profile, sets, config)
+        _check_cluster(path, base, run_profile, sets, config)
     try:
         return SweepSpec(
             name=str(data.get("name") or path.stem),
@@ -244,7 +244,9 @@ def _has_cluster(base: Path, given: dict[str, Any]) -> bool:
         return True
 
 
-def _check_cluster(path: Path, profile: Profile | None, sets: dict[str, Any], config: dict[str, Any]) -> None:
+def _check_cluster(
+    path: Path, base: Path, profile: Profile | None, sets: dict[str, Any], config: dict[str, Any]
+) -> None:
     """The cluster a configuration's runs would start: its file and what the sweep lays over it, checked
     as the run will check it; a problem names the sweep key behind it (``axes: KEY=VALUE`` or ``set:``)."""
     given = {**sets, **config}
@@ -258,7 +260,10 @@ def _check_cluster(path: Path, profile: Profile | None, sets: dict[str, Any], co
             raise SweepError(f"{blame(key)}: the profile runs no cluster (target.cluster) to lay it over")
         return
     try:
-        load_target_cluster(profile.target)
+        cluster = load_target_cluster(profile.target)
+        # The profile's classes against this configuration's districts (a layout that serves no district
+        # for a class would fail its run); its warnings are the runs' to log.
+        check_classes(profile, base, cluster, profile.target.cluster)
     except ClusterOverrideError as e:
         # The sweep key that set e.key: that key, or a mapping above it (set: [cluster.front={...}]).
         key = next((k for k in given if (c := cluster_key(k)) is not None
@@ -267,8 +272,11 @@ def _check_cluster(path: Path, profile: Profile | None, sets: dict[str, Any], co
             raise SweepError(f"{path}: profile {profile.target.cluster}: {e}") from None
         raise SweepError(f"{blame(key)}: {e.problem} (cluster {_shown(profile.target.cluster)})"
                          ) from None  # fmt: skip
-    except ConfigError as e:  # the cluster file itself
-        where = blame("target.cluster") if "target.cluster" in given else f"{path}: the profile's cluster"
+    except ConfigError as e:  # the cluster file itself, or the classes it does not serve
+        # Blame the layout axis first, else a cluster setting (a serves that leaves a class unserved).
+        keys = sorted((k for k in given if k == "target.cluster" or cluster_key(k) is not None),
+                      key=lambda k: k != "target.cluster")  # fmt: skip
+        where = blame(keys[0]) if keys else f"{path}: the profile's cluster"
         raise SweepError(f"{where}: {e}") from None
 
 
