@@ -52,6 +52,9 @@ class ClusterInfo(_Model):
         description="the front's knobs as resolved from the file (omni: orientation, policy, poll_interval_s, "
         "queue_size, switch with auto expanded, switch_after_waiting; router: policy); null without a front",
     )
+    overrides: dict[str, Any] | None = Field(
+        None, description="settings laid over the file (target.cluster_overrides), dotted; null: none"
+    )
 
 
 class TargetInfo(_Model):

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from loadlab.analysis.report import write_report
-from loadlab.cluster.config import load_cluster, worker_settings
+from loadlab.cluster.config import flatten_overrides, load_cluster, worker_settings
 from loadlab.cluster.policies import (
     DEFAULT_CLASS,
     Snapshot,
@@ -60,7 +60,7 @@ from loadlab.manifest import (
     software_versions,
     write_manifest,
 )
-from loadlab.profile import Profile
+from loadlab.profile import CLUSTER_OVERRIDES, Profile
 from loadlab.records import (
     HTTP_ERROR,
     MEASURE,
@@ -697,18 +697,26 @@ def run_virtual(
     profile_path: str | None = None,
     command: list[str] | None = None,
     cluster: str | Path | None = None,
+    cluster_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Runs ``profile`` against the twin in virtual time and writes a complete run directory; returns it.
 
     ``sim_settings`` are server settings under SGLang's names (``max_running_requests``, ``gpu``, ...),
     as in a profile's ``target.embedded``; unset ones take the server's defaults. ``cluster``: a cluster
-    file instead (its districts' workers behind its front; ``sim_settings`` then apply to every worker)."""
+    file instead (its districts' workers behind its front; ``sim_settings`` then apply to every worker),
+    with ``cluster_overrides`` laid over it (a profile's ``target.cluster_overrides``)."""
     wall0 = time.perf_counter()
-    config = load_cluster(cluster) if cluster is not None else None
+    overrides = flatten_overrides(cluster_overrides or {})
+    config = (
+        load_cluster(cluster, overrides=overrides, source=f"{CLUSTER_OVERRIDES}.")
+        if cluster is not None
+        else None
+    )
     if config is None:
         names, many, front, cluster_info = None, [resolve_settings(dict(sim_settings or {}))], None, None
     else:
         names, many, front, cluster_info = _cluster_workers(config, str(cluster), sim_settings or {})
+        cluster_info.overrides = overrides or None
     settings = many[0]
     out_root = Path(out_root)
     out_root.mkdir(parents=True, exist_ok=True)

@@ -5,9 +5,11 @@ file, the line and the key. ``docs/cluster.md`` documents the format.
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NoReturn
 
 from pydantic import (
     BaseModel,
@@ -28,10 +30,10 @@ from loadlab.cluster.policies import (
     switch_problem,
     switch_routes,
 )
-from loadlab.profile import Profile, ProfileError
+from loadlab.profile import CLUSTER_OVERRIDES, Profile, ProfileError, TargetConfig
 from loadlab.sim.cost import GPUS, MODELS
 from loadlab.sim.settings import BY_NAME, check_embedded_settings, resolve_settings
-from loadlab.yamlconfig import ConfigError, Lines, check_mapping, read_mapping, validation_message, where
+from loadlab.yamlconfig import ConfigError, Lines, describe, read_mapping, validation_message, where
 
 FrontKind = Literal["router", "omni", "none"]
 # The policies each front offers (the router's are sglang-router's `--policy` names).
@@ -311,10 +313,17 @@ def _check_sglang(settings: dict) -> str | None:
     return check_embedded_settings(settings)
 
 
-def load_cluster(path: str | Path, as_target: bool = False) -> ClusterConfig:
+def load_cluster(
+    path: str | Path,
+    as_target: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+    source: str = "override ",
+) -> ClusterConfig:
     """Reads and checks a cluster file. Relative paths in it (a tokenizer) are relative to the file.
     ``as_target``: a run's target (a profile's ``target.cluster``), which needs one URL to aim at: a front,
-    or a single worker."""
+    or a single worker. ``overrides``: settings laid over the file, a district by its name
+    (``districts.online.sglang.max_running_requests``; ``override_cluster``); ``source`` prefixes their
+    keys in messages (``--set ``, ``target.cluster_overrides.``)."""
     path = Path(path)
     label = str(path)
     data, lines = read_mapping(path, "cluster", ClusterError)
@@ -323,54 +332,185 @@ def load_cluster(path: str | Path, as_target: bool = False) -> ClusterConfig:
         sglang = d.get("sglang") if isinstance(d, dict) else None
         if isinstance(sglang, dict) and isinstance(sglang.get("tokenizer"), str):
             sglang["tokenizer"] = os.path.abspath(path.parent / sglang["tokenizer"])
+    written = copy.deepcopy(data)  # the file's own keys, for the overrides (validation fills in the rest)
     try:
         config = ClusterConfig.model_validate(data)
     except ValidationError as e:
         raise ClusterError(validation_message(e, label, lines)) from None
+
+    def fail(loc: list[str], problem: str) -> NoReturn:
+        raise ClusterError(f"{where(label, lines, loc)}: {'.'.join(loc)}: {problem}")
+
+    _check_config(config, as_target, fail, lines)
+    if overrides:
+        # The file is checked first, so every problem from here on is an override's.
+        config = override_cluster(config, written, overrides, label, as_target, source)
+    return config
+
+
+def load_target_cluster(target: TargetConfig) -> ClusterConfig:
+    """A profile's ``target.cluster`` as a run's target, with its ``target.cluster_overrides`` laid over."""
+    if target.cluster is None:
+        raise ValueError("the profile's target has no cluster")
+    return load_cluster(target.cluster, True, target.cluster_overrides, f"{CLUSTER_OVERRIDES}.")
+
+
+def _check_config(
+    config: ClusterConfig, as_target: bool, fail: Callable[[list[str], str], NoReturn], given: Lines
+) -> None:
+    """What the schema cannot say about one field alone; ``fail(loc, problem)`` raises the error. ``given``:
+    the key paths the file (or the overrides) set, for a problem of two keys to name the one given."""
     seen: dict[str, int] = {}
     for i, d in enumerate(config.districts):
         loc = ["districts", str(i)]
         if d.name in seen:
-            raise ClusterError(f"{where(label, lines, [*loc, 'name'])}: districts.{i}.name: {d.name!r} "
-                               f"is also district {seen[d.name]}'s name")  # fmt: skip
+            fail([*loc, "name"], f"{d.name!r} is also district {seen[d.name]}'s name")
         seen[d.name] = i
-        check_mapping(dict(d.sglang), _check_sglang, [*loc, "sglang"], label, lines, ClusterError)
+        for key, value in d.sglang.items():  # one key at a time first: the error names that key
+            problem = _check_sglang({key: value})
+            if problem:
+                fail([*loc, "sglang", str(key)], problem.removeprefix(f"{key}: "))
+        problem = _check_sglang(dict(d.sglang))
+        if problem:
+            fail([*loc, "sglang"], problem)
         try:
             resolve_settings(worker_settings(d))
         except ValueError as e:  # settings that cannot work together (no room left for the KV cache)
-            raise ClusterError(
-                f"{where(label, lines, [*loc, 'sglang'])}: districts.{i}.sglang: {e}"
-            ) from None
+            fail([*loc, "sglang"], str(e))
     serving = [i for i, d in enumerate(config.districts) if d.serves is not None]
     if serving and config.front.kind != "omni":
-        i = serving[0]
-        raise ClusterError(
-            f"{where(label, lines, ['districts', str(i), 'serves'])}: districts.{i}.serves: routing by class "
-            f"needs front kind omni (this front is {config.front.kind}: every worker serves every class)"
-        )
+        fail(["districts", str(serving[0]), "serves"], "routing by class needs front kind omni (this front "
+             f"is {config.front.kind}: every worker serves every class)")  # fmt: skip
     switch = config.front.switch
     if isinstance(switch, dict):  # auto needs no check: it names only districts that exist
         pools, names = config.class_pools(), [d.name for d in config.districts]
         for cls, targets in switch.items():
             problem = switch_problem(pools, names, cls, targets)
             if problem:
-                raise ClusterError(
-                    f"{where(label, lines, ['front', 'switch', cls])}: front.switch.{cls}: {problem}"
-                )
+                fail(["front", "switch", cls], problem)
     front = config.front
     if config.switch_routes() and front.switch_after_waiting > front.queue_size:
-        key = "switch_after_waiting" if ("front", "switch_after_waiting") in lines else "queue_size"
-        raise ClusterError(
-            f"{where(label, lines, ['front', key])}: front.{key}: the switch waits for more than "
-            f"{front.switch_after_waiting} requests in line, but the queue holds {front.queue_size}: it would "
-            f"answer 429 before the switch ever diverts (switch_after_waiting may not exceed queue_size)"
-        )
+        key = "switch_after_waiting" if ("front", "switch_after_waiting") in given else "queue_size"
+        fail(["front", key], f"the switch waits for more than {front.switch_after_waiting} requests in line, but "
+             f"the queue holds {front.queue_size}: it would answer 429 before the switch ever diverts "
+             "(switch_after_waiting may not exceed queue_size)")  # fmt: skip
     if as_target and config.front.kind == "none" and config.total_workers > 1:
-        raise ClusterError(
-            f"{where(label, lines, ['front', 'kind'])}: front.kind: a run aims at one URL, and a cluster "
-            f"without a front has {config.total_workers} workers: give it a front (router or omni)"
-        )
-    return config
+        fail(["front", "kind"], f"a run aims at one URL, and a cluster without a front has "
+             f"{config.total_workers} workers: give it a front (router or omni)")  # fmt: skip
+
+
+class ClusterOverrideError(ClusterError):
+    """A bad override of a cluster file: ``key`` (the override's dotted key, districts by name) and
+    ``problem`` (what is wrong), for a caller that names the override its own way (a sweep's axis)."""
+
+    def __init__(self, label: str, source: str, key: str, problem: str):
+        super().__init__(f"{label}: {source}{key}: {problem}")
+        self.key, self.problem = key, problem
+
+
+DISTRICT_KEYS = ("workers", "gpu", "model", "serves")
+FRONT_KEYS = tuple(Front.model_fields)
+TOP_KEYS = ("name", "workers_per_process")
+OVERRIDE_KEYS = "name, workers_per_process, front.KEY, districts.NAME.KEY"
+
+
+def flatten_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"districts": {"online": {"sglang": {"max_running_requests": 32}}}}`` (as ``--set`` nests a dotted
+    key) and ``{"districts.online.sglang.max_running_requests": 32}`` alike -> the flat form."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(overrides, "")
+    return flat
+
+
+def override_cluster(
+    config: ClusterConfig,
+    written: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    label: str = "<cluster>",
+    as_target: bool = False,
+    source: str = "override ",
+) -> ClusterConfig:
+    """A new ``ClusterConfig``: ``config`` (loaded from the mapping ``written``) with ``overrides`` laid on
+    (dotted keys, nested or flat; a district addressed by its name: ``districts.online.sglang.
+    max_running_requests``, ``front.policy``, ``front.switch.online``), validated and checked as a file is;
+    ``config`` itself is frozen and stays as it was. The values go over the file's own keys, not over the
+    resolved config (``model_copy(update=)`` would also skip validation): what the front's kind and
+    orientation fill in is filled in again for the new values, as if the file said so. A bad override is a
+    ``ClusterOverrideError`` naming it."""
+    flat = flatten_overrides(overrides)
+    if not flat:
+        return config
+    data = copy.deepcopy(dict(written))
+    names = [d.name for d in config.districts]
+    front: dict[str, Any] = {}
+
+    def bad(key: str, problem: str) -> NoReturn:
+        raise ClusterOverrideError(label, source, key, problem) from None
+
+    for key, value in flat.items():
+        parts = key.split(".")
+        if parts[0] == "districts":
+            rest = key.removeprefix("districts.")
+            # A district's name may hold dots: the longest name the key starts with.
+            name = next((n for n in sorted(names, key=len, reverse=True) if rest.startswith(n + ".")), None)
+            if len(parts) < 3 or name is None:
+                asked = parts[1] if len(parts) > 1 else None
+                if asked in names:
+                    bad(key, f"name a key of district {asked!r}: {', '.join(DISTRICT_KEYS)}, sglang.SETTING")
+                missing = f"no district {asked!r} in this cluster; " if asked else ""
+                bad(key, f"{missing}address a district by its name, districts.NAME.KEY (its districts: "
+                    f"{', '.join(names)})")  # fmt: skip
+            district = data["districts"][names.index(name)]
+            field = rest.removeprefix(name + ".").split(".")
+            if field[0] == "sglang" and len(field) == 2:
+                district["sglang"] = {**(district.get("sglang") or {}), field[1]: value}
+            elif len(field) == 1 and field[0] in DISTRICT_KEYS:
+                district[field[0]] = value
+            else:
+                bad(key, f"not a key of a district (known: {', '.join(DISTRICT_KEYS)}, sglang.SETTING)")
+        elif parts[0] == "front" and len(parts) == 2 and parts[1] in FRONT_KEYS:
+            front[parts[1]] = value
+        elif parts[:2] == ["front", "switch"] and len(parts) == 3:  # one class's switch districts
+            switch = front.get("switch", (data.get("front") or {}).get("switch"))
+            front["switch"] = {**(switch if isinstance(switch, dict) else {}), parts[2]: value}
+        elif len(parts) == 1 and parts[0] in TOP_KEYS:
+            data[parts[0]] = value
+        else:
+            bad(key, f"not a key of a cluster file that can be overridden (known: {OVERRIDE_KEYS})")
+    if front:
+        if front.get("kind", config.front.kind) != config.front.kind:
+            data["front"] = front  # another kind of front: its own defaults, not the file's other kind's
+        else:
+            data["front"] = {**(data.get("front") or {}), **front}
+
+    def blame(loc: list[str]) -> str:
+        """The override behind a problem at ``loc`` (districts by name): the key at, under or above it;
+        else the first one (a changed front kind makes a district's serves wrong)."""
+        if loc[:1] == ["districts"] and len(loc) > 1 and loc[1].isdigit() and int(loc[1]) < len(names):
+            loc = ["districts", names[int(loc[1])], *loc[2:]]
+        at = ".".join(loc)
+        related = [k for k in flat if k == at or k.startswith(at + ".") or at.startswith(k + ".")]
+        return (related or list(flat))[0]
+
+    try:
+        new = ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        bad(blame([str(p) for p in err["loc"]]), describe(err))
+
+    def fail(loc: list[str], problem: str) -> NoReturn:
+        bad(blame(loc), problem)
+
+    _check_config(new, as_target, fail, {tuple(k.split(".")): 0 for k in flat})
+    return new
 
 
 def check_classes(

@@ -238,10 +238,13 @@ def _exit_words(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
-def run_cluster(path: str | Path, host: str = "127.0.0.1", port: int = 0) -> int:
+def run_cluster(
+    path: str | Path, host: str = "127.0.0.1", port: int = 0, overrides: dict[str, Any] | None = None
+) -> int:
     """``loadlab cluster``: starts the cluster, prints the ready line, serves until SIGTERM or SIGINT.
-    Raises ClusterError for a bad file (before anything starts)."""
-    config = load_cluster(path)
+    ``overrides``: ``--set`` settings laid over the file (districts by name). Raises ClusterError for a bad
+    file or override (before anything starts)."""
+    config = load_cluster(path, overrides=overrides, source="--set ")
     cluster = Cluster(config, host, port)
     if config.front.kind == "none" and port:
         log.warning("loadlab cluster: --port %d: this cluster has no front (front.kind: none)", port)
