@@ -1,4 +1,5 @@
-"""Every ``loadlab`` command's argparse and dispatch: `run | report | compare | sweep | validate | sim`.
+"""Every ``loadlab`` command's argparse and dispatch: `run | report | compare | sweep | capacity | validate |
+sim`.
 
 `loadlab run` only arranges processes: it validates the profile, then runs Locust headless on
 loadlab/swarm/locustfile.py (the same code as `locust -f locustfile.py`), and prints the run directory
@@ -102,8 +103,25 @@ def _parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="run a sweep file: configurations x repeats, relaunching the server")
     sweep.add_argument("sweep_file", help="sweep YAML, e.g. profiles/seed-batch-sweep.yaml")
     sweep.add_argument("--out", default=None, metavar="DIR",
-                       help="sweep directory (default: reports/sweep-<name>); the same one resumes")  # fmt: skip
-    sweep.set_defaults(func=_cmd_sweep)
+                       help="sweep directory (default: reports/sweep-<name>[-virtual]); the same one resumes")  # fmt: skip
+    sweep.add_argument("--virtual", action="store_true",
+                       help="every run on the twin in virtual time, in this process (seconds, not minutes)")  # fmt: skip
+    sweep.set_defaults(func=_cmd_sweep, capacity=False, confirm=None)
+
+    capacity = sub.add_parser(
+        "capacity", help="each configuration's capacity at SLO: the highest load at which the SLO holds"
+    )
+    capacity.add_argument(
+        "sweep_file", help="sweep YAML; its capacity: key tunes the search (defaults otherwise)"
+    )
+    capacity.add_argument("--out", default=None, metavar="DIR",
+                          help="directory (default: reports/capacity-<name>[-virtual]); the same one resumes")  # fmt: skip
+    how = capacity.add_mutually_exclusive_group()
+    how.add_argument("--virtual", action="store_true", help="every run on the twin in virtual time")
+    how.add_argument("--confirm", nargs="?", const="", default=None, metavar="DIR",
+                     help="real time, for the virtual-time search's best configuration and its neighbours "
+                     "only, each from its bracket there (default DIR: reports/capacity-<name>-virtual)")  # fmt: skip
+    capacity.set_defaults(func=_cmd_sweep, capacity=True)
 
     cluster = sub.add_parser(
         "cluster", help="start a cluster file's workers (twins) and front; serve until SIGTERM or Ctrl-C"
@@ -262,10 +280,14 @@ def _cmd_sweep(args) -> int:
     from loadlab.experiment.spec import load_sweep
     from loadlab.target.probe import TargetError
 
-    spec = load_sweep(args.sweep_file)
-    out = Path(args.out or Path("reports") / f"sweep-{spec.name}")
+    spec = load_sweep(args.sweep_file, capacity=args.capacity)
+    kind = "capacity" if spec.capacity else "sweep"
+    out = Path(args.out or Path("reports") / f"{kind}-{spec.name}{'-virtual' if args.virtual else ''}")
+    confirm = None
+    if args.confirm is not None:
+        confirm = Path(args.confirm or Path("reports") / f"capacity-{spec.name}-virtual")
     try:
-        return run_sweep(spec, out, args.locust_args and ["--", *args.locust_args])
+        return run_sweep(spec, out, args.locust_args and ["--", *args.locust_args], args.virtual, confirm)
     except TargetError as e:
         print(f"loadlab sweep: {e}", file=sys.stderr)
         return exits.TARGET
@@ -299,6 +321,11 @@ def _cmd_validate(args) -> int:
             spec = load_sweep(path)
             n = len(spec.configurations())
             refine = f", then {spec.refine} more per side of the knee" if spec.refine else ""
+            cap = spec.capacity
+            if cap is not None:
+                print(f"{path}: ok (capacity search: {n} configurations, {cap.over} from {cap.start:g} to within "
+                      f"{cap.tolerance:.0%}, {cap.repeats} runs at the boundary, of {spec.profile})")  # fmt: skip
+                continue
             print(
                 f"{path}: ok (sweep: {n} configurations x {spec.repeats} repeats of {spec.profile}{refine})"
             )

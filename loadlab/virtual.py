@@ -698,13 +698,15 @@ def run_virtual(
     command: list[str] | None = None,
     cluster: str | Path | None = None,
     cluster_overrides: dict[str, Any] | None = None,
+    html: bool = True,
 ) -> Path:
     """Runs ``profile`` against the twin in virtual time and writes a complete run directory; returns it.
 
     ``sim_settings`` are server settings under SGLang's names (``max_running_requests``, ``gpu``, ...),
     as in a profile's ``target.embedded``; unset ones take the server's defaults. ``cluster``: a cluster
     file instead (its districts' workers behind its front; ``sim_settings`` then apply to every worker),
-    with ``cluster_overrides`` laid over it (a profile's ``target.cluster_overrides``)."""
+    with ``cluster_overrides`` laid over it (a profile's ``target.cluster_overrides``). ``html``: False
+    leaves report.html out (about a second of plotting; `loadlab report RUN` draws it)."""
     wall0 = time.perf_counter()
     overrides = flatten_overrides(cluster_overrides or {})
     config = (
@@ -759,7 +761,7 @@ def run_virtual(
     )  # fmt: skip
     manifest.virtual_stats = VirtualStats(**vr.stats(), wall_s=time.perf_counter() - wall0)
     write_manifest(run_dir, manifest)
-    write_report(run_dir)
+    write_report(run_dir, html=html)
     return run_dir
 
 

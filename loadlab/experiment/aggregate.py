@@ -10,6 +10,7 @@ when every class meets its own (and the run as a whole the sweep's).
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from loadlab.analysis.summary import SUMMARY_JSON, Summary, SummaryError
-from loadlab.experiment.spec import SweepError, SweepSpec, configurations, is_number, label
+from loadlab.experiment.search import outcome, show
+from loadlab.experiment.spec import CapacitySpec, SweepError, SweepSpec, configurations, is_number, label
 
 KNEE_GAIN = 0.05  # the knee: the first configuration after which the next adds less than 5% throughput
 TIE_GAIN = 0.01  # throughputs this close are a tie for the SLO-first choice (the earlier one is kept)
@@ -56,40 +58,128 @@ def _get(d: dict, path: tuple[str, ...]) -> Any:
 
 
 def aggregate(
-    spec: SweepSpec, configs: list[dict], runs: Mapping[str, str], failed: Mapping[str, str] | None = None
+    spec: SweepSpec,
+    configs: list[dict],
+    runs: Mapping[str, str],
+    failed: Mapping[str, str] | None = None,
+    points: Mapping[str, Mapping[str, Sequence[str]]] | None = None,
+    hints: Mapping[str, tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
     """One row per configuration (``configs``: the coarse ones, then the refined) from the runs finished
-    (``runs``: "k/r" -> run dir) and the failures (``failed``: k -> reason), then the knee and the choice."""
+    (``runs``: "k/r" -> run dir) and the failures (``failed``: k -> reason), then the knee and the choice.
+    A capacity search (``spec.capacity``) has ``points`` instead (k -> load value -> its runs' dirs, in
+    repeat order; ``hints``: k -> the bracket it started from): each row is the configuration at its
+    capacity, with the search's outcome in ``capacity``."""
     coarse = configurations(spec.axes)
     rows = []
     for k, config in enumerate(configs):
-        summaries = []
-        for r in range(spec.repeats):
-            run_dir = runs.get(f"{k}/{r}")
-            summary = read_run_summary(run_dir) if run_dir else None
-            if summary is not None:
-                summaries.append(summary)
-        row: dict[str, Any] = {"config": config, "repeats": len(summaries), "values": {}}
-        for column, path, scale, _ in COLUMNS:
-            values = [v * scale for s in summaries if isinstance(v := _get(s, path), int | float)]
-            row["values"][column] = {
-                "median": statistics.median(values) if values else None,
-                "min": min(values) if values else None,
-                "max": max(values) if values else None,
-            }
-        row["failed"] = sum(int(s.get("failed") or 0) for s in summaries)
-        # The load generator's own timing quality: runs it flagged, and its worst error bound (P99, ms).
-        clients = [s.get("client") or {} for s in summaries]
-        row["client_bound"] = sum(bool(c.get("client_bound")) for c in clients)
-        bounds = [c["error_bound_ms"] for c in clients if isinstance(c.get("error_bound_ms"), int | float)]
-        row["error_bound_ms"] = max(bounds) if bounds else None
+        if spec.capacity is not None:
+            row = capacity_row(spec, config, (points or {}).get(str(k), {}), (hints or {}).get(str(k)))
+        else:
+            summaries = []
+            for r in range(spec.repeats):
+                run_dir = runs.get(f"{k}/{r}")
+                summary = read_run_summary(run_dir) if run_dir else None
+                if summary is not None:
+                    summaries.append(summary)
+            row = summary_row(config, summaries)
         row["refined"] = config not in coarse
         row["error"] = (failed or {}).get(str(k))
-        row["classes"] = class_rows(summaries)
         rows.append(row)
     if any(row["refined"] for row in rows):  # one numeric axis: refined values go between the coarse ones
         rows.sort(key=lambda row: next(iter(row["config"].values())))
-    return {"rows": rows, **choose(rows, spec.slo)}
+    return {"rows": rows, **choose(rows, spec.slo, spec.capacity)}
+
+
+# The overload verdict's evidence a row shows (medians over its runs): each run's summary.json `overload`.
+OVERLOAD_EVIDENCE = ("offered_prompt_tokens_per_s", "served_prompt_tokens_per_s", "ttft_slope",
+                     "in_flight_growth_per_s")  # fmt: skip
+
+
+def summary_row(config: dict[str, Any], summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A configuration's row from its runs' summaries: each column's median and range, failed requests,
+    the load generator's flags, the SLO classes, and (open loop) the overload verdict: ``over_capacity``
+    counts the runs whose summary says arrivals outran the server (None when no summary has a verdict: a
+    closed loop, or a summary from before verdicts), ``overload`` the evidence's medians."""
+    row: dict[str, Any] = {"config": config, "repeats": len(summaries), "values": {}}
+    for column, path, scale, _ in COLUMNS:
+        values = [v * scale for s in summaries if isinstance(v := _get(s, path), int | float)]
+        row["values"][column] = _spread(values)
+    row["failed"] = sum(int(s.get("failed") or 0) for s in summaries)
+    # The load generator's own timing quality: runs it flagged, and its worst error bound (P99, ms).
+    clients = [s.get("client") or {} for s in summaries]
+    row["client_bound"] = sum(bool(c.get("client_bound")) for c in clients)
+    bounds = [c["error_bound_ms"] for c in clients if isinstance(c.get("error_bound_ms"), int | float)]
+    row["error_bound_ms"] = max(bounds) if bounds else None
+    verdicts = [v for s in summaries if isinstance(v := s.get("overload"), dict)]
+    row["over_capacity"] = sum(bool(v.get("over_capacity")) for v in verdicts) if verdicts else None
+    row["overload"] = {key: _spread([v[key] for v in verdicts if isinstance(v.get(key), int | float)])["median"]
+                       for key in OVERLOAD_EVIDENCE} if verdicts else None  # fmt: skip
+    rates = [s["request_rate"] for s in summaries if isinstance(s.get("request_rate"), int | float)]
+    row["rate"] = statistics.median(rates) if rates else None  # the open loop's configured rate
+    row["classes"] = class_rows(summaries)
+    return row
+
+
+def slo_reasons(row: dict[str, Any], slo: Mapping[str, Any]) -> list[str]:
+    """Why a row fails the SLO (empty: it meets it): its medians of TTFT P95 and TPOT P95 against the
+    SLO's, every class against its own, failed requests, and an open loop over capacity in most of its
+    runs (its TTFT grows with the run's length: a longer run would fail)."""
+    limits = {"TTFT P95 ms": slo.get("ttft_p95_ms"), "TPOT P95 ms": slo.get("tpot_p95_ms")}
+    reasons = []
+    for column, limit in limits.items():
+        value = _median(row, column)
+        if limit is not None and (value is None or value > limit):
+            # Whole ms, unless that would read "100 ms > 100 ms" (a value just over the line).
+            shown = f"{value:.0f}" if value is None or round(value) > limit else f"{value:.1f}"
+            reasons.append(f"{column.replace(' ms', '')} {shown} ms > {limit:g} ms" if value is not None
+                           else f"no {column}")  # fmt: skip
+    # Every class must meet its own SLO (a class's slo, else the profile's: the sweep's slo: too).
+    for c in row.get("classes") or []:
+        for o in c["objectives"]:
+            if not o["pass"]:
+                reasons.append(f"class {c['name']}: {o['label']} {o['median']:.0f} ms > {o['threshold_ms']:g} ms"
+                               if o["median"] is not None else f"class {c['name']}: no {o['label']}")  # fmt: skip
+    if row["failed"]:
+        by_class = [f"{c['name']} {c['failed']}" for c in row.get("classes") or [] if c["failed"]]
+        reasons.append(f"{row['failed']} failed requests" + (f" ({', '.join(by_class)})" if by_class else ""))
+    if row.get("over_capacity") and 2 * row["over_capacity"] > row["repeats"]:
+        reasons.append("over capacity (arrivals outran the server: TTFT grows with the run's length)")
+    return reasons
+
+
+def run_reasons(config: dict[str, Any], summary: dict[str, Any], slo: Mapping[str, Any]) -> list[str]:
+    """Why one run fails the SLO (empty: it meets it), by the rule the sweep applies to a row."""
+    return slo_reasons(summary_row(config, [summary]), slo)
+
+
+def capacity_row(
+    spec: SweepSpec,
+    config: dict[str, Any],
+    points: Mapping[str, Sequence[str]],
+    hint: tuple[float, float] | None,
+) -> dict[str, Any]:
+    """A configuration's capacity search as a row: each run judged on its own against the SLO (every
+    class too), the search's outcome (``capacity``), and the figures of the runs at the capacity found (at
+    the lowest value tried when nothing passed: ``capacity.at`` says which)."""
+    cap = spec.capacity
+    assert cap is not None
+    summaries: dict[float, list[dict[str, Any]]] = {}
+    verdicts: dict[float, list[bool]] = {}
+    for key, run_dirs in points.items():
+        value = float(key)
+        summaries[value] = [s for d in run_dirs if (s := read_run_summary(d)) is not None]
+        verdicts[value] = [not run_reasons(config, s, spec.slo) for s in summaries[value]]
+    found = outcome(verdicts, cap, hint)
+    at = found["capacity"] if found["capacity"] is not None else min(verdicts, default=None)
+    row = summary_row(config, summaries.get(at, []) if at is not None else [])
+    found["at"] = at
+    found["why_none"] = None
+    if found["capacity"] is None and at is not None:
+        why = "; ".join(slo_reasons(row, spec.slo))
+        found["why_none"] = f"fails the SLO at every load tried, down to {show(at, cap)} ({why})"
+    row["capacity"] = found
+    return row
 
 
 METRIC_NAMES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_latency_ms": "E2E"}
@@ -226,15 +316,139 @@ def _highest_throughput(rows: list[dict]) -> tuple[dict | None, str | None]:
                    "repeats' spread): the earlier configuration is kept")  # fmt: skip
 
 
-def choose(rows: list[dict], slo: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The knee along the sweep's order and the SLO-first choice, with reasons and findings."""
+def _highest_capacity(rows: list[dict], cap: CapacitySpec) -> tuple[dict | None, str | None]:
+    """The row with the highest capacity at SLO; capacities within the search's tolerance of it tie, and
+    the first of them (the smaller configuration) is kept: the search cannot tell them apart."""
+    if not rows:
+        return None, None
+    best = max(rows, key=lambda r: r["capacity"]["capacity"])
+    top = best["capacity"]["capacity"]
+    first = next(r for r in rows if r["capacity"]["capacity"] * (1 + cap.tolerance) >= top)
+    if first is best:
+        return best, None
+    return first, (f"{label(first['config'])} ties with {label(best['config'])} on capacity ("
+                   f"{show(first['capacity']['capacity'], cap)} vs {show(top, cap)}, within the search's "
+                   f"{cap.tolerance:.0%}): the earlier configuration is kept")  # fmt: skip
+
+
+LATENCY_COLUMNS = ("TTFT P95 ms", "TPOT P95 ms")
+LATENCY_KNEE_RULE = (
+    "the last configuration before the first step along the sweep whose latency cost exceeds its throughput "
+    "gain: the larger relative rise of TTFT P95 and TPOT P95 against the relative rise of output tokens/s, "
+    "both per doubling of the axis's value (per step along other axes)"
+)
+
+
+def _doublings(a: dict, b: dict) -> float:
+    """Doublings of the axis's value from row a to row b (one axis of positive numbers), else 1 step."""
+    if len(a["config"]) == 1:
+        va, vb = next(iter(a["config"].values())), next(iter(b["config"].values()))
+        if is_number(va) and is_number(vb) and 0 < va < vb:
+            return math.log2(vb / va)
+    return 1.0
+
+
+def latency_knee_index(rows: list[dict]) -> int | None:
+    """The latency-aware knee (LATENCY_KNEE_RULE): the first row whose next step raises latency by more
+    than it raises throughput, relative and per doubling; the last row when every step paid its way."""
+    rows = [r for r in rows if (_median(r, "output tok/s") or 0) > 0]
+    if not rows:
+        return None
+    for i, (a, b) in enumerate(itertools.pairwise(rows)):
+        if len(a["config"]) > 1:  # several axes: no order of quantities to walk
+            return None
+        n = _doublings(a, b)
+        gain = (_median(b, "output tok/s") / _median(a, "output tok/s")) ** (1 / n) - 1
+        costs = [(vb / va) ** (1 / n) - 1 for c in LATENCY_COLUMNS
+                 if (va := _median(a, c)) and (vb := _median(b, c)) and va > 0 and vb > 0]  # fmt: skip
+        if costs and max(costs) > gain:
+            return i
+    return len(rows) - 1
+
+
+def pareto_front(rows: list[dict], column: str) -> list[int]:
+    """The rows no other row beats on both output throughput (higher) and ``column`` (lower)."""
+    pts = [(i, t, v) for i, r in enumerate(rows)
+           if (t := _median(r, "output tok/s")) is not None and (v := _median(r, column)) is not None]  # fmt: skip
+    return [i for i, t, v in pts
+            if not any(t2 >= t and v2 <= v and (t2 > t or v2 < v) for _, t2, v2 in pts)]  # fmt: skip
+
+
+def overload_finding(rows: list[dict]) -> str | None:
+    """Open loop: the configurations whose runs were over capacity (each run's overload verdict), and
+    what that means for their TTFT and for any TTFT SLO at this rate."""
+    judged = [r for r in rows if r.get("over_capacity") is not None]
+    over = [r for r in judged if r["over_capacity"]]
+    if not over:
+        return None
+    rates = {r["rate"] for r in over}
+    at = f" at {rates.pop():g} req/s" if len(rates) == 1 and None not in rates else ""
+    every = len(over) == len(judged)
+    where = "every configuration" if every else ", ".join(label(r["config"]) for r in over)
+    return (f"over capacity in {where}{at} ({sum(r['over_capacity'] for r in over)} of "
+            f"{sum(r['repeats'] for r in over)} runs): arrivals outran the server, so TTFT grows with the run's "
+            "length and its percentiles describe this run's length, not a steady state; no configuration"
+            f"{'' if every else ' among these'} can meet a TTFT SLO at this rate (`loadlab capacity` finds the "
+            "rate each one can serve)")  # fmt: skip
+
+
+def trend_finding(rows: list[dict]) -> str | None:
+    """Along one numeric axis (three rows or more): TTFT P95 or TPOT P95 rising or falling at every step,
+    by more than 20% end to end (the seed's "TPOT P95 grows with the limit")."""
+    if len(rows) < 3 or any(
+        len(r["config"]) != 1 or not is_number(next(iter(r["config"].values()))) for r in rows
+    ):
+        return None
+    axis = next(iter(rows[0]["config"]))
+    said = []
+    for column in LATENCY_COLUMNS:
+        values = [_median(r, column) for r in rows]
+        if any(v is None or v <= 0 for v in values):
+            continue
+        steps = [b / a for a, b in itertools.pairwise(values)]
+        digits = 1 if values[0] < 100 else 0
+        span = f"{values[0]:.{digits}f} -> {values[-1]:.{digits}f} ms"
+        if all(x > 1 for x in steps) and values[-1] > 1.2 * values[0]:
+            said.append(f"{column.replace(' ms', '')} grows ({span})")
+        elif all(x < 1 for x in steps) and values[-1] < values[0] / 1.2:
+            said.append(f"{column.replace(' ms', '')} falls ({span})")
+    return f"along {axis}: {' and '.join(said)} at every step" if said else None
+
+
+def throughput_alone_finding(
+    rows: list[dict], rejected: list[tuple[dict, list[str]]], choice: dict | None
+) -> str | None:
+    """The seed's pitfall "a choice made on throughput alone": the highest-throughput configuration fails
+    the SLO; names the SLO-first choice instead (or that none meets it)."""
+    measured = [r for r in rows if _median(r, "output tok/s") is not None and not r.get("error")]
+    if len(measured) < 2:
+        return None
+    best = max(measured, key=lambda r: _median(r, "output tok/s"))
+    why = next((why for r, why in rejected if r is best), None)
+    if not why:
+        return None
+    top = _median(best, "output tok/s")
+    text = (f"a choice made on throughput alone would take {label(best['config'])} (the highest, {top:.0f} "
+            f"tok/s), which fails the SLO ({'; '.join(why)}): ")  # fmt: skip
+    if choice is None:
+        return text + "no configuration meets the SLO at this load"
+    got = _median(choice, "output tok/s")
+    return text + (f"the SLO-first choice is {label(choice['config'])} ({got:.0f} tok/s, {1 - got / top:.0%} less "
+                   "throughput)")  # fmt: skip
+
+
+def choose(
+    rows: list[dict], slo: Mapping[str, Any] | None, capacity: CapacitySpec | None = None
+) -> dict[str, Any]:
+    """The knee along the sweep's order and the SLO-first choice, with reasons and findings. With a
+    capacity search the choice is the configuration with the highest capacity at SLO."""
     done = [r for r in rows if r["repeats"]]
     # A knee needs an order of quantities; an axis of choices (cluster files, policies) has none.
     choice_axis = next((a for r in done for a, v in r["config"].items() if not is_number(v)), None)
     k = knee_index(done) if choice_axis is None else None
     knee = label(done[k]["config"]) if k is not None else None
+    lk = latency_knee_index(done) if choice_axis is None else None
     slo = dict(slo or {})
-    limits = {"TTFT P95 ms": slo.get("ttft_p95_ms"), "TPOT P95 ms": slo.get("tpot_p95_ms")}
     rejected, passing = [], []
     for r in rows:
         if r.get("error"):  # the server or a run failed: the reason is the finding (e.g. out of memory)
@@ -242,25 +456,16 @@ def choose(rows: list[dict], slo: Mapping[str, Any] | None) -> dict[str, Any]:
             continue
         if not r["repeats"]:
             continue
-        reasons = []
-        for column, limit in limits.items():
-            value = _median(r, column)
-            if limit is not None and (value is None or value > limit):
-                reasons.append(f"{column.replace(' ms', '')} {value:.0f} ms > {limit:g} ms" if value is not None
-                               else f"no {column}")  # fmt: skip
-        # Every class must meet its own SLO (a class's slo, else the profile's: the sweep's slo: too).
-        for c in r.get("classes") or []:
-            for o in c["objectives"]:
-                if not o["pass"]:
-                    reasons.append(f"class {c['name']}: {o['label']} {o['median']:.0f} ms > {o['threshold_ms']:g} ms"
-                                   if o["median"] is not None else f"class {c['name']}: no {o['label']}")  # fmt: skip
-        if r["failed"]:
-            by_class = [f"{c['name']} {c['failed']}" for c in r.get("classes") or [] if c["failed"]]
-            reasons.append(
-                f"{r['failed']} failed requests" + (f" ({', '.join(by_class)})" if by_class else "")
-            )
+        if capacity is not None:
+            found = r["capacity"]
+            reasons = [found["why_none"]] if found["capacity"] is None else []
+        else:
+            reasons = slo_reasons(r, slo)
         (rejected if reasons else passing).append((r, reasons))
-    choice, choice_note = _highest_throughput([r for r, _ in passing])
+    if capacity is not None:
+        choice, choice_note = _highest_capacity([r for r, _ in passing], capacity)
+    else:
+        choice, choice_note = _highest_throughput([r for r, _ in passing])
     findings = []
     server_axes = [a for a in (done[0]["config"] if done else {}) if "." not in a]
     for axis in server_axes:
@@ -294,8 +499,16 @@ def choose(rows: list[dict], slo: Mapping[str, Any] | None) -> dict[str, Any]:
         findings.append(
             f"retractions appear from {label(first_retract['config'])}: the KV pool ran out during decode"
         )
+    findings += [f for f in (overload_finding(done), trend_finding(done)) if f]
+    if capacity is None:
+        findings += [f for f in (throughput_alone_finding(done, rejected, choice),) if f]
     return {
         "knee": knee,
+        "latency_knee": label(done[lk]["config"]) if lk is not None else None,
+        "pareto": {
+            column: [label(done[i]["config"]) for i in pareto_front(done, column)]
+            for column in LATENCY_COLUMNS
+        },  # fmt: skip
         "knee_note": f"{choice_axis} is a choice, not a quantity: no knee along it" if choice_axis else None,
         "choice": label(choice["config"]) if choice else None,
         "choice_note": choice_note,

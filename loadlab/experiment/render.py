@@ -6,7 +6,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from loadlab.experiment.aggregate import COLUMNS, KNEE_GAIN
+from loadlab.experiment.aggregate import COLUMNS, KNEE_GAIN, LATENCY_COLUMNS, LATENCY_KNEE_RULE
+from loadlab.experiment.search import show
 from loadlab.experiment.spec import SweepSpec, is_number, label
 
 
@@ -22,16 +23,40 @@ def render_md(spec: SweepSpec, result: dict[str, Any], complete: bool) -> str:
     elif not complete:
         lines += ["> **Incomplete**: interrupted; the table holds the finished runs. Run the same command to "
                   "resume.", ""]  # fmt: skip
-    lines += [f"Profile `{spec.profile}`, {spec.repeats} repeat(s) per configuration; each cell is the "
-              "median of the repeats with their range in brackets.", ""]  # fmt: skip
+    cap = spec.capacity
+    if cap is not None:
+        lines += [f"Profile `{spec.profile}`: for each configuration the highest {cap.over} at which the SLO "
+                  f"holds (capacity at SLO): doubling from {show(cap.start, cap)}, then bisection to within "
+                  f"{cap.tolerance:.0%}, {cap.repeats} run(s) at the last passing and first failing value (repeat "
+                  "r with the profile's seed + r); a value passes when most of its runs meet the SLO (every "
+                  "class its own). The other columns are the runs at that capacity (medians, range in "
+                  "brackets).", ""]  # fmt: skip
+    else:
+        lines += [f"Profile `{spec.profile}`, {spec.repeats} repeat(s) per configuration; each cell is the "
+                  "median of the repeats with their range in brackets.", ""]  # fmt: skip
     axis_names = list(spec.axes)
-    header = axis_names + [c for c, *_ in COLUMNS]
+    overload = any(row.get("over_capacity") is not None for row in result["rows"])
+    header = list(axis_names)
+    if cap is not None:
+        header += [f"capacity at SLO ({cap.unit})", "confidence"]
+    header += [c for c, *_ in COLUMNS] + (["over capacity"] if overload else [])
     lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for row in result["rows"]:
         cells = [str(row["config"][a]) for a in axis_names]
+        if cap is not None:
+            cells += _capacity_cells(row, cap)
         for column, _, _, digits in COLUMNS:
             cells.append(_cell(row["values"][column], digits))
+        if overload:
+            n = row.get("over_capacity")
+            cells.append(
+                "n/a" if n is None else f"**yes** ({n}/{row['repeats']})" if n else f"no (0/{row['repeats']})"
+            )
         lines.append("| " + " | ".join(cells) + " |")
+    evidence = [_overload_evidence(row) for row in result["rows"] if row.get("over_capacity")]
+    if evidence:
+        lines += ["", "Over capacity (open loop; each run's overload verdict, summary.md): arrivals outran the "
+                  "server, so these rows' TTFT grows with the run's length:", ""] + evidence  # fmt: skip
     classes = class_columns(result["rows"])
     if classes:
         lines += ["", "Each SLO class on its own (medians of the repeats; a class passes when each objective's "
@@ -61,14 +86,23 @@ def render_md(spec: SweepSpec, result: dict[str, Any], complete: bool) -> str:
     slo = result.get("slo") or {}
     knee = result["knee"] or (f"n/a ({result['knee_note']})" if result.get("knee_note") else "n/a")
     lines += ["", f"- Knee (the next configuration adds < {KNEE_GAIN:.0%} throughput): {knee}"]
+    if result.get("latency_knee") or not result.get("knee_note"):
+        lines.append(f"- Latency-aware knee ({LATENCY_KNEE_RULE}): {result.get('latency_knee') or 'n/a'}")
+    for column, front in (result.get("pareto") or {}).items():
+        if front:
+            lines.append(f"- Pareto-optimal on output tok/s against {column.replace(' ms', '')} (no other "
+                         f"configuration has both more throughput and less latency): {', '.join(front)}")  # fmt: skip
     slo_text = ", ".join(f"{k} < {v:g}" for k, v in slo.items()) or "none"
     if classes:
         own = "; ".join(f"{name} " + (", ".join(f"{o['label']} < {o['threshold_ms']:g} ms" for o in objectives)
                                       or "no SLO") for name, objectives in classes.items())  # fmt: skip
         slo_text = (f"{slo_text} and " if slo else "") + f"every class its own SLO: {own}"
-    lines.append(
-        f"- SLO-first choice (highest throughput meeting {slo_text}): {result['choice'] or 'none meets it'}"
+    rule = (
+        f"the highest capacity at SLO, {slo_text}"
+        if cap is not None
+        else f"highest throughput meeting {slo_text}"
     )
+    lines.append(f"- SLO-first choice ({rule}): {result['choice'] or 'none meets it'}")
     if result.get("choice_note"):
         lines.append(f"  - {result['choice_note']}")
     refined = [
@@ -80,7 +114,55 @@ def render_md(spec: SweepSpec, result: dict[str, Any], complete: bool) -> str:
         lines.append(f"  - rejected {item['config']}: {'; '.join(item['reasons'])}")
     for finding in result["findings"]:
         lines.append(f"- {finding}")
+    if result.get("confirmation"):
+        lines += _confirmation_lines(result["confirmation"], cap)
     return "\n".join(lines) + "\n"
+
+
+def _capacity_cells(row: dict[str, Any], cap) -> list[str]:
+    """A row's capacity at SLO and its confidence (not run: a confirmation's other configurations)."""
+    found = row.get("capacity") or {}
+    if not found.get("values_tried"):
+        return ["not run", ""]
+    value = found["capacity"]
+    shown = "none" if value is None else f"{int(value) if cap.integer else value:g}"
+    if found["status"] == "at_least":
+        shown = f">= {shown}"
+    if not found["done"]:
+        shown += " (searching)"
+    return [f"**{shown}**", found["confidence"]]
+
+
+def _overload_evidence(row: dict[str, Any]) -> str:
+    """One over-capacity row's evidence in words (the medians of its runs' overload figures)."""
+    e = row.get("overload") or {}
+    said = []
+    if e.get("offered_prompt_tokens_per_s") is not None:
+        served = e.get("served_prompt_tokens_per_s")
+        said.append(f"offered {e['offered_prompt_tokens_per_s']:.0f} prompt tok/s"
+                    + (f" against {served:.0f} served while requests waited" if served is not None else ""))  # fmt: skip
+    if e.get("ttft_slope") is not None:
+        said.append(f"TTFT from the due time rising {e['ttft_slope'] * 1000:.0f} ms per second of arrivals")
+    if e.get("in_flight_growth_per_s") is not None:
+        said.append(f"in flight growing by {e['in_flight_growth_per_s']:.1f}/s at the end")
+    rate = f" at {row['rate']:g} req/s" if row.get("rate") is not None else ""
+    return f"- {label(row['config'])}{rate}: {row['over_capacity']} of {row['repeats']} runs; " + (
+        "; ".join(said) or "no figures"
+    )
+
+
+def _confirmation_lines(items: list[dict[str, Any]], cap) -> list[str]:
+    """The real-time confirmation against virtual time: each configuration's capacity in both."""
+    lines = ["", "Real time against virtual time (the virtual-time search's best configuration and its "
+             "neighbours, each real-time search started from its virtual bracket):", "",
+             "| configuration | virtual time | real time | real / virtual - 1 | virtual confidence | real confidence |",
+             "|---|---:|---:|---:|---|---|"]  # fmt: skip
+    for item in items:
+        diff = f"{item['difference']:+.1%}" if item["difference"] is not None else "n/a"
+        name = item["config"] + (" (best)" if item["best"] else "")
+        lines.append(f"| {name} | {show(item['virtual'], cap)} | {show(item['real'], cap)} | {diff} | "
+                     f"{item['virtual_confidence']} | {item['real_confidence'] or 'not run'} |")  # fmt: skip
+    return lines
 
 
 def _cell(v: dict[str, Any], digits: int) -> str:
@@ -112,10 +194,18 @@ def class_columns(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]
     return out
 
 
+# Colours of what the pages mark (tests/test_analysis.py finds them in a screenshot).
+PARETO_COLOUR = "#ff7f0e"  # the Pareto-optimal configurations
+LATENCY_KNEE_COLOUR = "#9467bd"  # the latency-aware knee
+CAPACITY_COLOUR = "#17becf"  # capacity at SLO per configuration
+
+
 def render_html(spec: SweepSpec, result: dict[str, Any]) -> str:
     """The sweep's curves along its configurations: throughput, TTFT P95 and TPOT P95 (medians, with the
-    repeats' range), the SLO lines and the knee marked, with classes each class's key figure against its
-    SLO; plus the tables of sweep.md."""
+    repeats' range), the SLO lines, the knee and the latency-aware knee marked, with classes each class's
+    key figure against its SLO; then the Pareto view (throughput against TTFT P95 and against TPOT P95,
+    the SLO lines, the Pareto-optimal configurations joined) and, for a capacity search, capacity at SLO
+    per configuration; plus the tables of sweep.md."""
     # Heavy, loaded only when a page is drawn: matplotlib, and loadlab.analysis.html (numpy, pandas).
     import matplotlib
 
@@ -149,6 +239,9 @@ def render_html(spec: SweepSpec, result: dict[str, Any]) -> str:
             ax.axhline(limit, color="red", ls="--", lw=1, label=f"SLO {limit:g}")
         if result.get("knee") in labels:
             ax.axvline(x[labels.index(result["knee"])], color="grey", ls=":", lw=1, label="knee")
+        if result.get("latency_knee") in labels:
+            ax.axvline(x[labels.index(result["latency_knee"])], color=LATENCY_KNEE_COLOUR, ls="-.", lw=1.5,
+                       label="latency-aware knee")  # fmt: skip
         if result.get("choice") in labels and med[labels.index(result["choice"])] is not None:
             i = labels.index(result["choice"])
             ax.plot([x[i]], [med[i]], marker="*", ms=16, color="green", ls="none", label="SLO-first choice")
@@ -167,15 +260,80 @@ def render_html(spec: SweepSpec, result: dict[str, Any]) -> str:
         if len(axis_names) == 1:
             ax.set_xlabel(axis_names[0])
         ax.grid(alpha=0.3)
-    image = png_base64(fig)
+    images = [png_base64(fig)]
+    plt.close(fig)
+    cap = spec.capacity
+    fig, axes = plt.subplots(1, 3 if cap else 2, figsize=(16 if cap else 11, 4.2))
+    for ax, column in zip(axes, LATENCY_COLUMNS, strict=False):
+        _pareto_panel(ax, rows, ticks, column, slo.get(column.split()[0].lower() + "_p95_ms"), result)
+    if cap is not None:
+        _capacity_panel(axes[2], rows, x, ticks, log_x, cap, axis_names)
+    images.append(png_base64(fig))
     plt.close(fig)
     title = html.escape(f"loadlab sweep: {spec.name}")
     table = html.escape(render_md(spec, result, complete=True))
+    imgs = "".join(f"<img alt='sweep {what}' style='max-width:100%' src='data:image/png;base64,{image}'><br>"
+                   for what, image in zip(("curves", "pareto"), images, strict=True))  # fmt: skip
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>"
             "body{font-family:sans-serif}pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}</style>"
-            f"</head><body><h1>{title}</h1>"
-            f"<img alt='sweep curves' style='max-width:100%' src='data:image/png;base64,{image}'>"
+            f"</head><body><h1>{title}</h1>{imgs}"
+            f"<p>Latency-aware knee: {html.escape(LATENCY_KNEE_RULE)}. Pareto-optimal: no other configuration has "
+            "both more output throughput and less latency on that panel.</p>"
             f"<pre>{table}</pre></body></html>\n")  # fmt: skip
+
+
+def _pareto_panel(ax, rows: list[dict[str, Any]], ticks: list[str], column: str, limit, result: dict) -> None:
+    """Output throughput against one latency figure, one point per configuration (labelled), the SLO as a
+    vertical line, the Pareto-optimal configurations marked and joined."""
+    front = set((result.get("pareto") or {}).get(column) or [])
+    pts = [(r["values"][column]["median"], r["values"]["output tok/s"]["median"], tick, label(r["config"]))
+           for r, tick in zip(rows, ticks, strict=True)]  # fmt: skip
+    pts = [p for p in pts if p[0] is not None and p[1] is not None]
+    ax.plot(
+        [p[0] for p in pts], [p[1] for p in pts], marker="o", ls="none", color="C0", label="configuration"
+    )
+    best = sorted(p for p in pts if p[3] in front)
+    if best:
+        ax.plot([p[0] for p in best], [p[1] for p in best], marker="D", ms=9, color=PARETO_COLOUR, lw=2,
+                label="Pareto-optimal")  # fmt: skip
+    for lat, thr, tick, _ in pts:
+        ax.annotate(tick, (lat, thr), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    if limit is not None:
+        ax.axvline(limit, color="red", ls="--", lw=1, label=f"SLO {limit:g} ms")
+    choice = next((p for p in pts if p[3] == result.get("choice")), None)
+    if choice is not None:
+        ax.plot(
+            [choice[0]], [choice[1]], marker="*", ms=16, color="green", ls="none", label="SLO-first choice"
+        )
+    lats = [p[0] for p in pts]
+    if lats and min(lats) > 0 and max(lats) / min(lats) > 20:  # seconds and minutes side by side
+        ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(column)
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"Pareto: output tok/s against {column.replace(' ms', '')}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _capacity_panel(ax, rows, x, ticks, log_x: bool, cap, axis_names: list[str]) -> None:
+    """Capacity at SLO per configuration, the first failing value above it shaded."""
+    lo = [(r.get("capacity") or {}).get("lo") for r in rows]
+    hi = [(r.get("capacity") or {}).get("hi") for r in rows]
+    ax.plot(x, [v if v is not None else float("nan") for v in lo], marker="s", color=CAPACITY_COLOUR, lw=2,
+            label="capacity at SLO (last pass)")  # fmt: skip
+    ax.plot(x, [v if v is not None else float("nan") for v in hi], marker="x", color="red", ls="none",
+            label="first fail")  # fmt: skip
+    if log_x:
+        ax.set_xscale("log")
+        ax.minorticks_off()
+    ax.set_xticks(x, ticks, fontsize=8, rotation=0 if len(axis_names) == 1 else 30)
+    if len(axis_names) == 1:
+        ax.set_xlabel(axis_names[0])
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"capacity at SLO ({cap.over}, {cap.unit})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def _class_panel(ax, rows: list[dict[str, Any]], classes: dict[str, list[dict[str, Any]]], x: list) -> None:

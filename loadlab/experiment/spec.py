@@ -7,6 +7,7 @@ server starts: the base profile and every configuration's overrides are loaded h
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,22 @@ from loadlab.yamlconfig import ConfigError
 
 DEFAULT_URL = "http://127.0.0.1:{port}"
 DEFAULT_READY_TIMEOUT_S = 600.0
-KEYS = ("name", "profile", "axes", "repeats", "launch", "url", "ready_timeout_s", "set", "slo", "refine")
+KEYS = (
+    "name",
+    "profile",
+    "axes",
+    "repeats",
+    "launch",
+    "url",
+    "ready_timeout_s",
+    "set",
+    "slo",
+    "refine",
+    "capacity",
+)
+# A capacity search varies the load: the rate of an open loop, the requests held in flight of a closed one.
+CAPACITY_OVER = {"load.rate": "open", "load.concurrency": "closed"}
+CAPACITY_KEYS = ("over", "start", "tolerance", "repeats", "min", "max", "max_points")
 # A sweep key `cluster.K` sets K of the profile's cluster file (target.cluster_overrides.K): a district by
 # its name (cluster.districts.online.sglang.max_running_requests), the front (cluster.front.policy).
 CLUSTER_PREFIX = "cluster."
@@ -38,6 +54,38 @@ KEY_OF = {"overrides": "set"}  # a SweepSpec field -> its key in the sweep file,
 
 class SweepError(ProfileError):
     """A bad sweep file: one line, like a profile error."""
+
+
+class CapacitySpec(BaseModel):
+    """A sweep file's ``capacity:``: per configuration, the highest load at which the SLO holds (coarse
+    doubling from ``start``, then bisection to within ``tolerance``, ``repeats`` runs at the boundary)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    over: str = Field(
+        description="the load searched: load.rate (open loop) or load.concurrency (closed loop)"
+    )
+    start: float = Field(
+        gt=0, description="the first value tried; doubled while the SLO holds, halved while not"
+    )
+    tolerance: float = Field(0.05, gt=0, lt=1, description="stop bisecting when fail / pass - 1 <= this")
+    repeats: PositiveInt = Field(description="runs at the last passing and first failing value")
+    min: float = Field(
+        gt=0, description="halve no lower than this (default start / 8): below it, 'fails at every load'"
+    )
+    max: float = Field(
+        gt=0, description="double no higher than this (default start x 256): 'at least' beyond"
+    )
+    max_points: PositiveInt = Field(40, description="most distinct values tried per configuration")
+
+    @property
+    def integer(self) -> bool:
+        """Concurrency is a count: values are whole numbers."""
+        return self.over == "load.concurrency"
+
+    @property
+    def unit(self) -> str:
+        return "req/s" if self.over == "load.rate" else "in flight"
 
 
 class SweepSpec(BaseModel):
@@ -80,6 +128,12 @@ class SweepSpec(BaseModel):
     refine: NonNegativeInt = Field(
         0, description="values added on each side of the knee after the coarse sweep"
     )
+    capacity: CapacitySpec | None = Field(
+        None, description="search each configuration's capacity at SLO instead of running it at one load"
+    )
+    seed: int = Field(
+        0, description="the runs' seed (the profile's, with set:); a capacity repeat r: seed + r"
+    )
 
     def configurations(self) -> list[dict[str, Any]]:
         """The coarse configurations: the product of the axes."""
@@ -95,8 +149,9 @@ def is_sweep_file(path: str | Path) -> bool:
     return isinstance(data, dict) and "axes" in data
 
 
-def load_sweep(path: str | Path) -> SweepSpec:
-    """Reads and checks a sweep file, its base profile and every configuration's overrides."""
+def load_sweep(path: str | Path, capacity: bool = False) -> SweepSpec:
+    """Reads and checks a sweep file, its base profile and every configuration's overrides. ``capacity``:
+    a capacity search even without a ``capacity:`` key (`loadlab capacity`: its defaults)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -168,6 +223,12 @@ def load_sweep(path: str | Path) -> SweepSpec:
             raise SweepError(f"{path}: set/axes {label(given)}: {e}") from None
         fresh = fresh and run_profile.target.url == EMBEDDED
         _check_cluster(path, base, run_profile, sets, config)
+    searched = None
+    if capacity or data.get("capacity") is not None:
+        if refine:
+            raise SweepError(f"{path}: refine: not with capacity: (the search refines the load itself)")
+        # The load model the runs use: the profile with set: (and the last configuration's axes).
+        searched = _capacity(path, data.get("capacity") or {}, axes, repeats, run_profile)
     try:
         return SweepSpec(
             name=str(data.get("name") or path.stem),
@@ -183,11 +244,51 @@ def load_sweep(path: str | Path) -> SweepSpec:
             warmup=profile.requests.warmup,
             fresh_target=fresh,
             refine=refine,
+            capacity=searched,
+            seed=run_profile.seed,
         )
     except ValidationError as e:  # what the checks above let through (e.g. slo: not a mapping)
         err = e.errors()[0]
         key = ".".join(str(p) for p in err["loc"])
         raise SweepError(f"{path}: {KEY_OF.get(key, key)}: {err['msg']}") from None
+
+
+def _capacity(path: Path, given: Any, axes: dict, repeats: int, profile: Profile) -> CapacitySpec:
+    """The ``capacity:`` mapping checked against the runs' load model, with its defaults filled in."""
+    if not isinstance(given, dict):
+        raise SweepError(f"{path}: capacity: a mapping (over, start, tolerance, repeats, ...)")
+    unknown = sorted(set(given) - set(CAPACITY_KEYS))
+    if unknown:
+        raise SweepError(f"{path}: capacity: {unknown[0]}: unknown key (known: {', '.join(CAPACITY_KEYS)})")
+    model = profile.load.model
+    over = given.get("over") or next(k for k, m in CAPACITY_OVER.items() if m == model)
+    if over not in CAPACITY_OVER:
+        raise SweepError(
+            f"{path}: capacity: over: {over}: load.rate (open loop) or load.concurrency (closed loop)"
+        )
+    if CAPACITY_OVER[over] != model:
+        raise SweepError(f"{path}: capacity: over: {over}: the runs are {model} loop (load.model: {model}); "
+                         f"search {next(k for k, m in CAPACITY_OVER.items() if m == model)} or set "
+                         f"load.model={CAPACITY_OVER[over]}")  # fmt: skip
+    if over in axes:
+        raise SweepError(f"{path}: axes: {over}: the capacity search varies it; drop it from axes")
+    start = given.get("start", 1)
+    if not is_number(start) or start <= 0 or (over == "load.concurrency" and not float(start).is_integer()):
+        kind = "a positive integer" if over == "load.concurrency" else "a positive number"
+        raise SweepError(f"{path}: capacity: start: {kind} (got {start!r})")
+    values = {"over": over, "start": start, "repeats": repeats, "min": start / 8, "max": start * 256, **given}
+    if over == "load.concurrency":  # whole numbers of requests in flight
+        values["min"] = max(1, math.floor(values["min"]))
+    try:
+        spec = CapacitySpec(**values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise SweepError(f"{path}: capacity: {'.'.join(str(p) for p in err['loc'])}: {err['msg']}") from None
+    if not spec.min <= spec.start <= spec.max:
+        raise SweepError(
+            f"{path}: capacity: min <= start <= max (got {spec.min:g}, {spec.start:g}, {spec.max:g})"
+        )
+    return spec
 
 
 def cluster_key(key: str) -> str | None:
