@@ -76,7 +76,7 @@ def test_the_shortened_seed_sweep_end_to_end_with_an_interruption(tmp_path):
     assert "SLO-first choice" in md and "Knee" in md and "Incomplete" not in md
     assert "Refined around the coarse sweep's knee: 8 added" in md
     page = (out / "sweep.html").read_text()
-    assert page.count("data:image/png;base64,") == 1 and "SLO-first choice" in page
+    assert page.count("data:image/png;base64,") == 2 and "SLO-first choice" in page  # curves, Pareto
 
 
 def test_choice_rejects_with_reasons_and_the_knee_is_where_throughput_stops_growing():

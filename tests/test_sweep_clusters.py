@@ -97,7 +97,7 @@ def test_a_layout_sweep_runs_each_layout_on_its_own_fresh_cluster_and_requires_e
     assert "| target.cluster | online TTFT P95 ms (SLO 250) | online output tok/s | online |" in md
     assert md.count("**FAIL**") == 1 and "every class its own SLO: online TTFT P95 < 250 ms" in md
     page = (out / "sweep.html").read_text()
-    assert page.count("data:image/png;base64,") == 1 and "online TTFT P95 ms (SLO 250)" in page
+    assert page.count("data:image/png;base64,") == 2 and "online TTFT P95 ms (SLO 250)" in page
 
 
 def test_a_district_setting_axis_reaches_the_districts_worker(tmp_path):

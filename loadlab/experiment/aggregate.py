@@ -131,9 +131,11 @@ def slo_reasons(row: dict[str, Any], slo: Mapping[str, Any]) -> list[str]:
         value = _median(row, column)
         if limit is not None and (value is None or value > limit):
             # Whole ms, unless that would read "100 ms > 100 ms" (a value just over the line).
-            shown = f"{value:.0f}" if value is None or round(value) > limit else f"{value:.1f}"
-            reasons.append(f"{column.replace(' ms', '')} {shown} ms > {limit:g} ms" if value is not None
-                           else f"no {column}")  # fmt: skip
+            if value is None:
+                reasons.append(f"no {column}")
+                continue
+            shown = f"{value:.0f}" if round(value) > limit else f"{value:.1f}"
+            reasons.append(f"{column.replace(' ms', '')} {shown} ms > {limit:g} ms")
     # Every class must meet its own SLO (a class's slo, else the profile's: the sweep's slo: too).
     for c in row.get("classes") or []:
         for o in c["objectives"]:
