@@ -9,11 +9,14 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
+from test_analysis import colour_pixels, needs_chromium, render_or_skip
 
 from loadlab.analysis import compute_summary
 from loadlab.experiment import runner
 from loadlab.experiment.aggregate import (
+    COLUMNS,
     choose,
     latency_knee_index,
     pareto_front,
@@ -142,7 +145,9 @@ def test_virtual_time_reads_the_twin_s_launch_template_and_refuses_what_it_canno
     # Real SGLang's template: its server axes must be twin settings by name.
     path.write_text("profile: short-profile.yaml\nlaunch: [python, -m, sglang.launch_server, --port, '{port}', "
                     "--chunk, '{chunk}']\naxes: {chunk: [512]}\n")  # fmt: skip
-    with pytest.raises(SweepError, match=r"s.yaml: axes: chunk: in virtual time a server axis is a twin setting"):
+    with pytest.raises(
+        SweepError, match=r"s.yaml: axes: chunk: in virtual time a server axis is a twin setting"
+    ):
         runner.Sweep(load_sweep(path), tmp_path / "out", [], virtual=True)
     path.write_text(path.read_text().replace("chunk", "chunked_prefill_size"))
     spec = load_sweep(path)
@@ -212,7 +217,10 @@ def test_a_capacity_search_in_virtual_time_resumes_after_ctrl_c_and_chooses_the_
     assert "Incomplete" in (part / "sweep.md").read_text()
     assert runner.run_sweep(spec, part, virtual=True) == 0
     again = json.loads((part / "sweep.json").read_text())
-    assert [r["capacity"]["capacity"] for r in again["result"]["rows"]] == [small["capacity"], large["capacity"]]
+    assert [r["capacity"]["capacity"] for r in again["result"]["rows"]] == [
+        small["capacity"],
+        large["capacity"],
+    ]
     assert len(count) == sum(len(v) for p in again["points"].values() for v in p.values())
     # A directory holds one kind of sweep.
     with pytest.raises(SweepError, match="holds a virtual-time sweep"):
@@ -247,7 +255,9 @@ def test_a_real_time_confirmation_starts_from_virtual_time_s_bracket_for_the_bes
             rate = float(dict(s.split("=") for s in sets)["load.rate"])
             calls.append((name, limit, rate))
             ttft = 100 if rate <= 3 * limit * scale else 5000
-            return _write(out / "runs" / name, output_throughput=100.0 * rate, p95_ttft_ms=ttft, p95_tpot_ms=10)
+            return _write(
+                out / "runs" / name, output_throughput=100.0 * rate, p95_ttft_ms=ttft, p95_tpot_ms=10
+            )
 
         return run
 
@@ -286,14 +296,21 @@ def test_a_real_time_confirmation_starts_from_virtual_time_s_bracket_for_the_bes
 
 
 def row(limit, thr, ttft, tpot, **extra):
+    """A sweep row with these medians (the other columns empty)."""
     values = {"output tok/s": thr, "TTFT P95 ms": ttft, "TPOT P95 ms": tpot, "max running": limit,
               "retractions": 0}  # fmt: skip
-    return {"config": {"max_running_requests": limit}, "repeats": 1, "failed": 0,
-            "values": {k: {"median": v, "min": v, "max": v} for k, v in values.items()}, **extra}  # fmt: skip
+    cells = {c: {"median": None, "min": None, "max": None} for c, *_ in COLUMNS}
+    cells.update({k: {"median": v, "min": v, "max": v} for k, v in values.items()})
+    return {"config": {"max_running_requests": limit}, "repeats": 1, "failed": 0, "values": cells, **extra}
 
 
 def test_a_choice_made_on_throughput_alone_is_called_out_only_when_the_fastest_fails_the_slo():
-    rows = [row(32, 1300, 900, 20), row(64, 2000, 1500, 30), row(128, 2200, 2800, 60), row(256, 2250, 5000, 90)]
+    rows = [
+        row(32, 1300, 900, 20),
+        row(64, 2000, 1500, 30),
+        row(128, 2200, 2800, 60),
+        row(256, 2250, 5000, 90),
+    ]
     findings = choose(rows, SLO)["findings"]
     said = [f for f in findings if "throughput alone" in f]
     assert said == ["a choice made on throughput alone would take max_running_requests=256 (the highest, 2250 "
@@ -329,7 +346,9 @@ def test_open_loop_rows_state_over_capacity_with_the_evidence_and_only_when_the_
     assert any("TPOT P95 grows (18.0 -> 43.0 ms)" in f for f in result["findings"])
     md = render_md(spec, result, complete=True)
     assert "| **yes** (1/1) |" in md
-    assert "- max_running_requests=32 at 32 req/s: 1 of 1 runs; offered 32768 prompt tok/s against 13000" in md
+    assert (
+        "- max_running_requests=32 at 32 req/s: 1 of 1 runs; offered 32768 prompt tok/s against 13000" in md
+    )
     # A row over capacity fails the SLO whatever its percentiles (they describe the run's length).
     assert "over capacity (arrivals outran the server" in result["rejected"][0]["reasons"][-1]
     # Runs that kept up: no finding, "no" in the column; summaries without a verdict: no column at all.
@@ -344,7 +363,12 @@ def test_open_loop_rows_state_over_capacity_with_the_evidence_and_only_when_the_
 
 def test_the_latency_aware_knee_and_the_pareto_front():
     # Throughput +50%, then +10% per doubling; TPOT +20%, then +60%: latency costs more from 64 on.
-    rows = [row(32, 1000, 900, 20), row(64, 1500, 950, 24), row(128, 1650, 960, 38.4), row(256, 1700, 990, 60)]
+    rows = [
+        row(32, 1000, 900, 20),
+        row(64, 1500, 950, 24),
+        row(128, 1650, 960, 38.4),
+        row(256, 1700, 990, 60),
+    ]
     assert latency_knee_index(rows) == 1
     # Per doubling: a refined point half a doubling away does not move it.
     refined = rows[:2] + [row(91, 1500 * math.sqrt(1.1), 955, 24 * math.sqrt(1.6))] + rows[2:]
@@ -357,3 +381,40 @@ def test_the_latency_aware_knee_and_the_pareto_front():
     assert pareto_front(pareto, "TPOT P95 ms") == [0, 1, 2]
     result = choose(pareto, SLO)
     assert result["pareto"]["TTFT P95 ms"] == ["max_running_requests=32", "max_running_requests=256"]
+
+
+@needs_chromium
+def test_sweep_html_draws_the_pareto_view_the_latency_aware_knee_and_capacity(tmp_path):
+    from loadlab.experiment.render import CAPACITY_COLOUR, LATENCY_KNEE_COLOUR, PARETO_COLOUR, render_html
+
+    def rgb(colour: str) -> tuple[int, int, int]:
+        return tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5))
+
+    spec = load_sweep(REPO / "profiles" / "seed-batch-sweep-open.yaml", capacity=True)
+    found = {32: (5.9, 6.2), 64: (8.7, 9.1), 128: (10.8, 11.3), 256: (12.3, 12.8)}
+    rows = []
+    for (limit, thr, ttft, tpot), (lo, hi) in zip(
+        ((32, 1500, 2000, 20), (64, 2180, 2250, 29), (128, 2640, 1640, 46), (256, 2890, 2390, 84)),
+        found.values(),
+        strict=True,
+    ):
+        r = row(limit, thr, ttft, tpot)
+        r["capacity"] = {"capacity": lo, "lo": lo, "hi": hi, "status": "found", "done": True, "values_tried": 8,
+                         "confidence": f"passes 3/3 at {lo} req/s, fails 3/3 at {hi} req/s", "why_none": None}  # fmt: skip
+        rows.append(r)
+    result = {"rows": rows, **choose(rows, SLO, spec.capacity)}
+    assert (
+        result["choice"] == "max_running_requests=256" and result["latency_knee"] == "max_running_requests=64"
+    )
+    page = tmp_path / "sweep.html"
+    page.write_text(render_html(spec, result))
+    shot = render_or_skip(page, tmp_path / "sweep.png")
+    knee = np.nonzero(colour_pixels(shot, rgb(LATENCY_KNEE_COLOUR), tolerance=0.08).any(axis=1))[0]
+    pareto = np.nonzero(colour_pixels(shot, rgb(PARETO_COLOUR), tolerance=0.08).any(axis=1))[0]
+    capacity = colour_pixels(shot, rgb(CAPACITY_COLOUR), tolerance=0.08)
+    assert knee.size > 100  # the latency-aware knee, drawn down each of the three curves' panels
+    # The Pareto front (joined, marked) and the capacity line: in the second image, below the curves.
+    assert pareto.size > 50 and pareto.min() > knee.max()
+    assert capacity.sum() > 300 and np.nonzero(capacity.any(axis=1))[0].min() > knee.max()
+    red = np.nonzero(colour_pixels(shot, (255, 0, 0), tolerance=0.1).any(axis=1))[0]
+    assert (red > knee.max()).sum() > 100  # the SLO lines of the Pareto panels (vertical)
