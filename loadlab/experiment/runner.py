@@ -245,6 +245,14 @@ class Sweep:
             print(f"loadlab sweep: interrupted; {kept}. Run the same command to resume.", file=sys.stderr,
                   flush=True)  # fmt: skip
             return exits.INTERRUPTED
+        if self.spec.capacity is not None:  # the answer, in a few lines: capacity per configuration
+            for row in result["rows"]:
+                found = row["capacity"]
+                if found["values_tried"]:
+                    print(f"loadlab capacity: {label(row['config'])}: {show(found['capacity'], self.spec.capacity)} "
+                          f"at SLO ({found['confidence']})", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"loadlab capacity: SLO-first choice (the highest capacity at SLO): {result['choice'] or 'none'}",
+                  file=sys.stderr, flush=True)  # fmt: skip
         print(self.out / SWEEP_MD, flush=True)
         if state.failed:
             print(f"loadlab sweep: {len(state.failed)} configuration(s) failed (see {SWEEP_MD}); the same "
