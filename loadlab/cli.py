@@ -281,7 +281,7 @@ def _cmd_sweep(args) -> int:
     from loadlab.target.probe import TargetError
 
     spec = load_sweep(args.sweep_file, capacity=args.capacity)
-    kind = "capacity" if spec.capacity else "sweep"
+    kind = "capacity" if args.capacity else "sweep"
     out = Path(args.out or Path("reports") / f"{kind}-{spec.name}{'-virtual' if args.virtual else ''}")
     confirm = None
     if args.confirm is not None:
@@ -321,14 +321,15 @@ def _cmd_validate(args) -> int:
             spec = load_sweep(path)
             n = len(spec.configurations())
             refine = f", then {spec.refine} more per side of the knee" if spec.refine else ""
-            cap = spec.capacity
-            if cap is not None:
-                print(f"{path}: ok (capacity search: {n} configurations, {cap.over} from {cap.start:g} to within "
-                      f"{cap.tolerance:.0%}, {cap.repeats} runs at the boundary, of {spec.profile})")  # fmt: skip
-                continue
             print(
                 f"{path}: ok (sweep: {n} configurations x {spec.repeats} repeats of {spec.profile}{refine})"
             )
+            try:  # what `loadlab capacity` would search (a file's capacity: key was checked above)
+                cap = load_sweep(path, capacity=True).capacity
+            except ConfigError:  # its defaults do not apply (the default load is an axis): no such search
+                continue
+            print(f"{path}: ok (loadlab capacity: {cap.over} from {cap.start:g} to within {cap.tolerance:.0%}, "
+                  f"{cap.repeats} runs at the boundary, per configuration)")  # fmt: skip
             continue
         profile = load_profile(path)
         if profile.target.cluster:

@@ -107,7 +107,6 @@ def test_a_confirmation_starts_from_the_hint_and_needs_only_the_repeats_when_it_
         ("capacity: {stat: 4}\n", "capacity: stat: unknown key"),
         ("capacity: {tolerance: 2}\n", "capacity: tolerance: "),
         ("capacity: {start: 8, max: 4}\n", "capacity: min <= start <= max"),
-        ("capacity: {}\nrefine: 1\n", "refine: not with capacity"),
         ("capacity: [load.rate]\n", "capacity: a mapping"),
     ],
 )
@@ -130,6 +129,13 @@ def test_capacity_defaults_follow_the_load_model(tmp_path):
     path.write_text(path.read_text() + "set: [load.model=open, load.rate=8, load.concurrency=null]\n")
     opened = load_sweep(path, capacity=True).capacity
     assert opened.over == "load.rate" and opened.unit == "req/s" and opened.tolerance == 0.05
+    # The key tunes `loadlab capacity`; `loadlab sweep` runs the file at its load (and its refine: stays
+    # that command's).
+    path.write_text(path.read_text() + "capacity: {start: 2, tolerance: 0.1}\nrefine: 1\n")
+    path.write_text(path.read_text().replace("[20]", "[20, 24]"))
+    assert load_sweep(path).capacity is None and load_sweep(path).refine == 1
+    searched = load_sweep(path, capacity=True)
+    assert (searched.capacity.start, searched.capacity.tolerance, searched.refine) == (2, 0.1, 0)
 
 
 def test_virtual_time_reads_the_twin_s_launch_template_and_refuses_what_it_cannot_run(tmp_path):
@@ -182,7 +188,7 @@ def test_a_capacity_search_in_virtual_time_resumes_after_ctrl_c_and_chooses_the_
     (tmp_path / "short-profile.yaml").write_text(SHORT)
     path = tmp_path / "cap.yaml"
     path.write_text(CAPACITY_SWEEP)
-    spec = load_sweep(path)
+    spec = load_sweep(path, capacity=True)
     whole = tmp_path / "whole"
     assert runner.run_sweep(spec, whole, virtual=True) == 0
     state = json.loads((whole / "sweep.json").read_text())
@@ -247,7 +253,7 @@ def test_a_real_time_confirmation_starts_from_virtual_time_s_bracket_for_the_bes
     axis = "target.embedded.max_running_requests"
     text = CAPACITY_SWEEP.replace("  max_running_requests: [2, 8]", f"  {axis}: [2, 4, 8, 16]")
     path.write_text("\n".join(line for line in text.splitlines() if not line.startswith("launch")) + "\n")
-    spec = load_sweep(path)
+    spec = load_sweep(path, capacity=True)
     calls = []
 
     def fake(scale):

@@ -269,7 +269,8 @@ class Sweep:
             config = configs[k]
             if self.interrupted or self._finished(k):
                 continue
-            where = f"loadlab sweep: {stage}configuration {k + 1}/{len(configs)} ({label(config)})"
+            command = "capacity" if self.spec.capacity else "sweep"
+            where = f"loadlab {command}: {stage}configuration {k + 1}/{len(configs)} ({label(config)})"
             server = None
             try:
                 url = None

@@ -129,7 +129,9 @@ class SweepSpec(BaseModel):
         0, description="values added on each side of the knee after the coarse sweep"
     )
     capacity: CapacitySpec | None = Field(
-        None, description="search each configuration's capacity at SLO instead of running it at one load"
+        None,
+        description="a capacity search (loadlab capacity): each configuration's capacity at SLO instead "
+        "of its runs at one load",
     )
     seed: int = Field(
         0, description="the runs' seed (the profile's, with set:); a capacity repeat r: seed + r"
@@ -151,7 +153,8 @@ def is_sweep_file(path: str | Path) -> bool:
 
 def load_sweep(path: str | Path, capacity: bool = False) -> SweepSpec:
     """Reads and checks a sweep file, its base profile and every configuration's overrides. ``capacity``:
-    a capacity search even without a ``capacity:`` key (`loadlab capacity`: its defaults)."""
+    the spec of a capacity search (`loadlab capacity`: ``spec.capacity`` from the file's ``capacity:``, or
+    its defaults; ``refine:`` left out); else a sweep at the file's load (``spec.capacity`` None)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -223,10 +226,9 @@ def load_sweep(path: str | Path, capacity: bool = False) -> SweepSpec:
             raise SweepError(f"{path}: set/axes {label(given)}: {e}") from None
         fresh = fresh and run_profile.target.url == EMBEDDED
         _check_cluster(path, base, run_profile, sets, config)
+    # capacity: tunes `loadlab capacity` (which needs no such key); checked here whichever command runs.
     searched = None
     if capacity or data.get("capacity") is not None:
-        if refine:
-            raise SweepError(f"{path}: refine: not with capacity: (the search refines the load itself)")
         # The load model the runs use: the profile with set: (and the last configuration's axes).
         searched = _capacity(path, data.get("capacity") or {}, axes, repeats, run_profile)
     try:
@@ -243,8 +245,8 @@ def load_sweep(path: str | Path, capacity: bool = False) -> SweepSpec:
             slo=data.get("slo") or profile.slo.model_dump(exclude_none=True),
             warmup=profile.requests.warmup,
             fresh_target=fresh,
-            refine=refine,
-            capacity=searched,
+            refine=0 if capacity else refine,  # a capacity search refines the load, not the axes
+            capacity=searched if capacity else None,
             seed=run_profile.seed,
         )
     except ValidationError as e:  # what the checks above let through (e.g. slo: not a mapping)
