@@ -424,3 +424,22 @@ def test_sweep_html_draws_the_pareto_view_the_latency_aware_knee_and_capacity(tm
     assert capacity.sum() > 300 and np.nonzero(capacity.any(axis=1))[0].min() > knee.max()
     red = np.nonzero(colour_pixels(shot, (255, 0, 0), tolerance=0.1).any(axis=1))[0]
     assert (red > knee.max()).sum() > 100  # the SLO lines of the Pareto panels (vertical)
+
+
+def test_with_slo_classes_a_run_passes_only_when_every_class_does():
+    from loadlab.experiment.aggregate import run_reasons
+
+    def klass(name, ttft, threshold):
+        objective = {"key": "ttft_p95_ms", "metric": "ttft_ms", "percentile": 95, "threshold_ms": threshold,
+                     "value_ms": ttft, "samples": 100, "passed": ttft <= threshold}  # fmt: skip
+        return {"name": name, "output_throughput": 100.0, "p95_ttft_ms": ttft, "failed": 0,
+                "slo": {"objectives": [objective], "pass": ttft <= threshold}}  # fmt: skip
+
+    summary = compute_summary(None, None).dump()
+    summary.update(
+        p95_ttft_ms=900, p95_tpot_ms=20, classes=[klass("online", 400, 1500), klass("offline", 900, 30000)]
+    )
+    config = {"max_running_requests": 64}
+    assert run_reasons(config, summary, SLO) == []
+    summary["classes"][0] = klass("online", 1900, 1500)  # the run as a whole still meets the sweep's SLO
+    assert run_reasons(config, summary, SLO) == ["class online: TTFT P95 1900 ms > 1500 ms"]
