@@ -90,9 +90,16 @@ def test_a_confirmation_starts_from_the_hint_and_needs_only_the_repeats_when_it_
     found, order = search(cap(), lambda v, r: v <= 12.1, hint=(12.1, 12.7))
     assert order[:2] == [12.1, 12.7] and len(order) == 6  # both ends, 3 runs each: nothing else
     assert found["lo"] == 12.1 and found["hi"] == 12.7
-    # A hint that is off: the search moves out from it and still ends within the tolerance.
+    # A hint end whose first run disagrees (12.7 passes once, as virtual time's 2/3 did) gets all its runs
+    # before the search moves away from it: no detour up.
+    found, order = search(cap(), lambda v, r: v <= 12.1 or (v <= 12.7 and r == 0), hint=(12.1, 12.7))
+    assert order == [12.1, 12.7, 12.7, 12.1, 12.1, 12.7] and found["confidence"].endswith(
+        "fails 2/3 at 12.7 req/s"
+    )
+    # A hint that is off: the search moves out from it in small steps and still ends within the tolerance.
     found, order = search(cap(), lambda v, r: v <= 10, hint=(12.1, 12.7))
-    assert order[0] == 12.1 and found["lo"] <= 10 < found["hi"] <= found["lo"] * 1.05
+    assert order[:4] == [12.1, 12.1, 12.1, 11.0]  # 12.1 fails: all its runs, then 10% down
+    assert found["lo"] <= 10 < found["hi"] <= found["lo"] * 1.05
 
 
 # -- the sweep file --------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ taken only when the previous ones have nothing left to do:
 
 1. start at ``start`` (or at a hint's ``lo``: a real-time confirmation starts from virtual time's bracket);
 2. double ``lo`` while nothing fails (up to ``max``: then "at least max"); halve ``hi`` while nothing
-   below it passes (down to ``min``: then "fails at every load tried"); a hint's other end comes first;
+   below it passes (down to ``min``: then "fails at every load tried"); a hint's other end comes first,
+   an end of the hint whose first runs disagree with it is run ``repeats`` times before the search moves
+   away from it, and from a hint the steps are ``1 + 2 x tolerance`` instead of doubling;
 3. bisect, at the geometric middle (the tolerance is relative), until ``hi / lo - 1 <= tolerance``
    (whole numbers: until adjacent);
 4. repeat ``lo``, then ``hi``, until each has ``repeats`` runs. A repeat that turns a verdict over moves
@@ -30,7 +32,7 @@ Points = Mapping[float, Sequence[bool]]
 
 @dataclass(frozen=True)
 class Step:
-    """The next run of a search: at ``value``, and why (start, hint, double, halve, bisect, repeat)."""
+    """The next run of a search: at ``value``, and why (start, hint, double, halve, up, down, bisect, repeat)."""
 
     value: float
     why: str
@@ -73,14 +75,22 @@ def next_step(points: Points, cap: CapacitySpec, hint: tuple[float, float] | Non
 
     if lo is None and hi is None:
         return new(hint[0] if hint else cap.start, "hint" if hint else "start")
+    # From a hint, steps are small (a confirmation expects agreement within a few tolerances), and an end
+    # that disagrees with the hint on its first runs gets all its runs before the search moves away.
+    step = 1 + 2 * cap.tolerance if hint else 2.0
+    if hint:
+        for end, expected in ((snap(hint[0], cap), True), (snap(hint[1], cap), False)):
+            runs = points.get(end)
+            if runs and len(runs) < cap.repeats and verdict(runs) != expected:
+                return Step(end, "repeat")
     if hi is None:  # everything passes so far: go up
         if hint and snap(hint[1], cap) > lo and snap(hint[1], cap) not in points:
             return new(hint[1], "hint")
-        return new(min(lo * 2, cap.max), "double") if lo < cap.max else None
+        return new(min(lo * step, cap.max), "up" if hint else "double") if lo < cap.max else None
     if lo is None:  # everything fails so far: go down
         if hint and snap(hint[0], cap) < hi and snap(hint[0], cap) not in points:
             return new(hint[0], "hint")
-        return new(max(hi / 2, cap.min), "halve") if hi > cap.min else None
+        return new(max(hi / step, cap.min), "down" if hint else "halve") if hi > cap.min else None
     if not close(lo, hi, cap):
         middle = snap(math.sqrt(lo * hi), cap)
         step = new(middle, "bisect") if lo < middle < hi else None
