@@ -1,11 +1,14 @@
 """A sweep's runs, aggregated: per configuration the median of the repeats with their spread, the knee
-(per doubling along one numeric axis), the SLO-first choice with ties and a reason for every rejected
-configuration, plain-language findings, and the refine step's values around the knee.
+(per doubling along one numeric axis) and the latency-aware knee, the Pareto fronts, the SLO-first choice
+with ties and a reason for every rejected configuration, plain-language findings (over capacity, trends,
+a choice made on throughput alone, ...), and the refine step's values around the knee. A capacity search's
+rows are its configurations at their capacity at SLO, and the choice is the highest capacity.
 
 Rows are plain dicts (``config``, ``repeats``, ``values``: column -> median/min/max, ``failed``,
-``client_bound``, ``error_bound_ms``, ``refined``, ``error``, ``classes``: each SLO class's objectives and
-verdict); they are written into sweep.json as they are. With classes, a configuration meets the SLO only
-when every class meets its own (and the run as a whole the sweep's).
+``client_bound``, ``error_bound_ms``, ``over_capacity`` and ``overload``: the runs' overload verdicts,
+``rate``, ``refined``, ``error``, ``classes``: each SLO class's objectives and verdict; a capacity search's
+``capacity``: the search's outcome); they are written into sweep.json as they are. With classes, a
+configuration meets the SLO only when every class meets its own (and the run as a whole the sweep's).
 """
 
 from __future__ import annotations

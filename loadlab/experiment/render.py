@@ -1,5 +1,7 @@
-"""A sweep's result as pages: `sweep.md` (the seed's table, knee, choice, findings) and `sweep.html` (the
-curves along the configurations, the SLO lines, the knee and the choice marked, and the same table)."""
+"""A sweep's result as pages: `sweep.md` (the seed's table, capacity at SLO for a capacity search, over
+capacity, knees, Pareto fronts, choice, findings, a confirmation against virtual time) and `sweep.html` (the
+curves along the configurations, the SLO lines, the knees and the choice marked; the Pareto view and
+capacity per configuration; and the same table)."""
 
 from __future__ import annotations
 
