@@ -234,6 +234,38 @@ def _client_lines(client: Client | None) -> list[str]:
     return lines
 
 
+def slo_lines(s: Summary) -> list[str]:
+    """The SLO verdict as bullet lines: each objective, each class's, the overall verdict (summary.md's
+    SLO section and the console's result block)."""
+    slo = s.slo
+    lines: list[str] = []
+    if not slo.objectives:
+        lines.append(
+            "- No SLO objectives in the profile." if not s.classes else "- No run-wide SLO objectives."
+        )
+    for o in slo.objectives:
+        verdict = "PASS" if o.passed else "FAIL"
+        note = " (no samples)" if o.value_ms is None else ""
+        lines.append(
+            f"- {verdict}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms (limit {_num(o.threshold_ms)} ms){note}"
+        )
+    for c in s.classes:
+        for o in c.slo.objectives:
+            verdict = "PASS" if o.passed else "FAIL"
+            lines.append(f"- {verdict}: class {c.name}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms "
+                         f"(limit {_num(o.threshold_ms)} ms)")  # fmt: skip
+    if slo.objectives or (s.classes and slo.passed is not None):
+        every = " (every class too)" if s.classes else ""
+        lines.append(f"- Overall{every}: {'PASS' if slo.passed else 'FAIL'}")
+    if slo.failed_requests:
+        lines.append(
+            f"- Note: {slo.failed_requests} measured request(s) failed; failures are not in the latencies."
+        )
+    if slo.unrecognized:
+        lines.append(f"- Ignored SLO keys: {', '.join(slo.unrecognized)}")
+    return lines
+
+
 def render_markdown(s: Summary) -> str:
     """A plain-Markdown human view of a summary."""
     title = " / ".join(str(x) for x in (s.run_id, s.profile_name) if x) or "run"
@@ -348,31 +380,7 @@ def render_markdown(s: Summary) -> str:
     lines += _worker_lines(s)
     lines += _class_lines(s)
 
-    slo = s.slo
     lines += ["## SLO", ""]
-    if not slo.objectives:
-        lines.append(
-            "- No SLO objectives in the profile." if not s.classes else "- No run-wide SLO objectives."
-        )
-    for o in slo.objectives:
-        verdict = "PASS" if o.passed else "FAIL"
-        note = " (no samples)" if o.value_ms is None else ""
-        lines.append(
-            f"- {verdict}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms (limit {_num(o.threshold_ms)} ms){note}"
-        )
-    for c in s.classes:
-        for o in c.slo.objectives:
-            verdict = "PASS" if o.passed else "FAIL"
-            lines.append(f"- {verdict}: class {c.name}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms "
-                         f"(limit {_num(o.threshold_ms)} ms)")  # fmt: skip
-    if slo.objectives or (s.classes and slo.passed is not None):
-        every = " (every class too)" if s.classes else ""
-        lines.append(f"- Overall{every}: {'PASS' if slo.passed else 'FAIL'}")
-    if slo.failed_requests:
-        lines.append(
-            f"- Note: {slo.failed_requests} measured request(s) failed; failures are not in the latencies."
-        )
-    if slo.unrecognized:
-        lines.append(f"- Ignored SLO keys: {', '.join(slo.unrecognized)}")
+    lines += slo_lines(s)
     lines.append("")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ Locust on this file) run exactly this code.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import signal
@@ -168,6 +169,16 @@ def _on_test_stop(environment, **_kw):
         context.run.finalize()
 
 
+def _print_result(run: Run, **_kw) -> None:
+    """Locust's quit event, fired after it printed its own tables (rounded buckets, three pseudo-requests
+    per request): the exact result comes last, so it is what a headless run leaves on the screen."""
+    from loadlab.analysis.console import render_console  # the post-processor: only where a run finalized
+
+    sys.stdout.flush()
+    sys.stderr.write(render_console(run.summary, run.dir / "summary.md"))
+    sys.stderr.flush()
+
+
 @events.quitting.add_listener
 def _on_quitting(environment, **_kw):
     context = environment.loadlab
@@ -185,6 +196,8 @@ def _on_quitting(environment, **_kw):
     run = context.run
     if run is not None:
         run.finalize()
+        if environment.parsed_options.headless and run.summary is not None:
+            events.quit.add_listener(functools.partial(_print_result, run))
         # Failed requests are data, not a failed run: exit 0 when the run completed, 1 when it was cut short
         # (unless a worker already set the status: 3 when it could not reach the target).
         if environment.process_exit_code is None:

@@ -83,6 +83,9 @@ class Run:
         self.scraper = None  # the target's /metrics scraper process (loadlab.target.scraper)
         self.client_limits = (DEFAULT_LIMIT_MS, DEFAULT_LIMIT_CPU)
         self.finalized = False
+        self.summary: Summary | None = (
+            None  # the report's summary, once finalized (the console block prints it)
+        )
         self.manifest = Manifest(
             run_id=self.run_id,
             profile_path=profile_path,
@@ -173,7 +176,7 @@ class Run:
         # otherwise import at start-up and keep on its heap, only for the one process that finalizes.
         from loadlab.analysis.report import write_report
 
-        summary = write_report(self.dir)
+        summary = self.summary = write_report(self.dir)
         client = self.manifest.client
         if client is not None and client.client_bound:
             log.warning(
