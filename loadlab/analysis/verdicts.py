@@ -23,10 +23,10 @@ PER_REQUEST_METRICS = ("ttft_ms", "tpot_ms", "e2e_latency_ms")
 # Overload.
 MIN_ARRIVALS = 20  # fewer measured due times say nothing about a trend
 OFFERED_MARGIN = 0.10  # offered more than 10% above what the server took in: over capacity
-SLOPE_MIN = 0.05  # TTFT rising 50 ms per second of arrivals: the server keeps up with under 95% of them
+SLOPE_MIN = 0.05  # TTFT rising 50 ms per second of arrivals: a FIFO queue fed 5% faster than served
 SLOPE_T_MIN = 3.0  # and not by chance
 SLOPE_MIN_SAMPLES = 10
-GROWTH_MIN = 0.05  # in flight growing by 5% of the arrival rate per second: under 95% served
+GROWTH_MIN = 0.05  # in flight growing by 5% of the arrival rate per second: 5% not served
 
 # No warm-up.
 COLD_TTFT_RATIO = 2.0  # the first requests' median TTFT at least twice the rest's ...
