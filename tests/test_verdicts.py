@@ -14,6 +14,8 @@ from test_analysis import decoding, make_manifest, rec, summarize
 
 from loadlab.analysis import Summary
 from loadlab.analysis.summary import Finding
+from loadlab.experiment.aggregate import aggregate
+from loadlab.experiment.spec import load_sweep
 from loadlab.profile import load_profile, parse_set_option, validate_profile
 from loadlab.records import RequestRecord
 from loadlab.sim.cost import cost_model
@@ -221,7 +223,8 @@ def _prefill_bound(s: Summary) -> float:
 def test_the_seeds_open_sweep_at_32_per_s_is_over_capacity_at_every_limit(tmp_path):
     sweep = yaml.safe_load(SWEEP_FILE.read_text())
     assert sweep["set"].count("load.rate=32") == 1  # the rate this test stands for
-    for limit in sweep["axes"]["max_running_requests"]:
+    limits = sweep["axes"]["max_running_requests"]
+    for limit in limits:
         s = _seed_open_run(tmp_path, 32, limit)
         o = s.overload
         # Offered: the realised rate x 1024 tokens, above all the twin's prefill can take in; what it took in
@@ -236,6 +239,13 @@ def test_the_seeds_open_sweep_at_32_per_s_is_over_capacity_at_every_limit(tmp_pa
         assert "over_capacity" in kinds(s)
         md = (tmp_path / f"r32-l{limit}" / "summary.md").read_text()
         assert "> **Over capacity**" in md and "no server limit can meet a TTFT SLO at this rate" in md
+    # The sweep's rows count those runs, and its findings say it for every limit.
+    spec = load_sweep(SWEEP_FILE)
+    runs = {f"{k}/0": str(tmp_path / f"r32-l{limit}") for k, limit in enumerate(limits)}
+    result = aggregate(spec, [{"max_running_requests": v} for v in limits], runs)
+    assert [row["over_capacity"] for row in result["rows"]] == [1] * len(limits)
+    said = next(f for f in result["findings"] if f.startswith("over capacity in"))
+    assert all(f"max_running_requests={v}" in said for v in limits) and "no limit among them can meet" in said
 
 
 def test_the_seeds_open_sweep_at_4_per_s_is_within_capacity(tmp_path):
