@@ -703,11 +703,15 @@ def compute_summary(
         scheduled_col, t_send, ttft, prompt_each, measured, ok, t_send, end_wall
     )
     closed = run.load_kind == "closed"
-    held = float(run.max_concurrency) if closed and run.max_concurrency else flight["mean"]
     retractions = server.get("retractions")
     if retractions is None:  # no /metrics (a virtual run): the records' own counts
         counts = _numeric(df, "num_retractions")[measured]
         retractions = float(np.nansum(counts)) if np.isfinite(counts).any() else None
+    above_cap = (
+        verdicts.time_above(t_send, end_wall, run.max_concurrency, window_start, window_end)
+        if run.max_concurrency is not None and has_duration
+        else 0.0
+    )
     refused = verdicts.refused_for_size(_numeric(df, "http_status"), _objects_array(df, "error"), not_ok)
     peak_usage = server.get("peak_token_usage")
     findings = [
@@ -715,8 +719,16 @@ def compute_summary(
         verdicts.kv_finding(
             peak_usage if peak_usage is not None else run.virtual_peak_usage, retractions, refused
         ),
-        verdicts.lock_finding(closed, run.max_concurrency, flight),
-        verdicts.warmup_finding(int(warmup.sum()), held, t_send, ttft, cached_tokens, prompt_tokens, ok),
+        verdicts.lock_finding(closed, run.max_concurrency, flight, above_cap, duration),
+        verdicts.warmup_finding(
+            int(warmup.sum()),
+            run.max_concurrency if closed else None,
+            t_send,
+            ttft,
+            cached_tokens,
+            prompt_tokens,
+            ok,
+        ),
         verdicts.cache_finding(summary["expected_cached_token_ratio"], cached_ratio, len(workers)),
     ]
     summary["findings"] = [f for f in findings if f is not None]

@@ -35,7 +35,10 @@ CACHE_RISE_MIN = 0.05  # the cached-token ratio 5 points higher after the first 
 CACHE_RISE_Z = 3.0  # ... and not by chance (per-request ratios, Welch's z)
 MIN_WARMUP_SAMPLES = 40
 
-# Load not locked: a closed loop whose time-weighted in-flight mean is under 75% of its concurrency.
+# Load not locked: more in flight than the cap for 5% of the window (a send stamped by the wall clock can
+# overlap the previous request's end, computed on the monotonic clock, by a slewing clock's few ms: that is
+# no excess), or a closed loop whose time-weighted in-flight mean is under 75% of its concurrency.
+LOCK_ABOVE_FRACTION = 0.05
 LOCK_MEAN_FRACTION = 0.75
 
 # KV reservation: the peak KV usage this close to the pool.
@@ -232,24 +235,24 @@ def overload_finding(verdict: dict[str, Any] | None, measured_requests: int) -> 
 
 def warmup_finding(
     warmup_requests: int,
-    held: float | None,
+    burst: int | None,
     send: np.ndarray,
     ttft_ms: np.ndarray,
     cached: np.ndarray,
     prompt: np.ndarray,
     done: np.ndarray,
 ) -> dict[str, Any] | None:
-    """No (or too little) warm-up: the first measured requests' TTFT well above the rest's (counted only when
-    the warm-up was smaller than the load held in flight, ``held``: otherwise the server had run a full
-    batch before), or the cache-hit ratio rising after the first tenth of the run (a cache still filling).
-    ``done``: the completed measured records."""
+    """No (or too little) warm-up: without any warm-up, the first measured requests' TTFT well above the rest's
+    (any warm-up runs the server's first-use initialisation); or the cache-hit ratio rising after the first
+    tenth of the run (a cache still filling: the warm-up was too small for it). ``burst``: a closed loop's
+    concurrency, whose first requests are sent at once. ``done``: the completed measured records."""
     order = np.flatnonzero(done)[np.argsort(send[done], kind="stable")]
     evidence: dict[str, float | None] = {"warmup_requests": float(warmup_requests)}
     said = []
 
     ttft = ttft_ms[order]
     ttft = ttft[np.isfinite(ttft)]
-    if held is not None and warmup_requests < max(1.0, held) and ttft.size >= MIN_WARMUP_SAMPLES:
+    if warmup_requests == 0 and ttft.size >= MIN_WARMUP_SAMPLES:
         k = max(5, ttft.size // 20)
         head, rest = float(np.median(ttft[:k])), float(np.median(ttft[k:]))
         if head >= COLD_TTFT_RATIO * rest and head - rest >= COLD_TTFT_MIN_MS:
@@ -258,8 +261,12 @@ def warmup_finding(
                 "first_median_ttft_ms": head,
                 "rest_median_ttft_ms": rest,
             }
+            # A closed loop's users all start at once, after a warm-up too (the measured phase waits for the
+            # warm-up to drain): part of this may be that burst, which no warm-up removes.
+            also = (f" (the first {burst} were also sent at once, as a closed loop starts, which adds to their "
+                    "TTFT with or without a warm-up)" if burst and burst > 1 else "")  # fmt: skip
             said.append(f"the first {k} measured requests' median TTFT was {head:.0f} ms against {rest:.0f} ms for "
-                        "the rest")  # fmt: skip
+                        f"the rest{also}")  # fmt: skip
 
     reported = order[np.isfinite(cached[order]) & np.isfinite(prompt[order]) & (prompt[order] > 0)]
     if reported.size >= MIN_WARMUP_SAMPLES:
@@ -290,17 +297,32 @@ def warmup_finding(
     }
 
 
-def lock_finding(closed: bool, concurrency: int | None, flight: dict[str, Any]) -> dict[str, Any] | None:
-    """Load not locked: more in flight than the configured cap, or a closed loop whose time-weighted mean in
-    flight sits far below its concurrency."""
-    if concurrency is None or flight.get("max") is None:
+def time_above(starts: np.ndarray, ends: np.ndarray, cap: int, a: float, b: float) -> float:
+    """How long more than ``cap`` of the intervals [start, end) were in flight at once within [a, b] (s)."""
+    keep = np.isfinite(starts) & np.isfinite(ends)
+    s, e = np.maximum(starts[keep], a), np.minimum(ends[keep], b)
+    s, e = s[e > s], e[e > s]
+    times = np.concatenate([s, e])
+    deltas = np.concatenate([np.ones(s.size), -np.ones(e.size)])
+    order = np.lexsort((deltas, times))  # at equal times ends before starts: back to back is not overlap
+    times, counts = times[order], np.cumsum(deltas[order])
+    return float(np.sum(np.diff(times)[counts[:-1] > cap])) if times.size else 0.0
+
+
+def lock_finding(
+    closed: bool, concurrency: int | None, flight: dict[str, Any], above_s: float, window_s: float | None
+) -> dict[str, Any] | None:
+    """Load not locked: more in flight than the configured cap for at least LOCK_ABOVE_FRACTION of the window
+    (``above_s`` of ``window_s``), or a closed loop whose time-weighted mean in flight sits far below its
+    concurrency."""
+    if concurrency is None or flight.get("max") is None or not window_s:
         return None
     said = []
-    if flight["max"] > concurrency:
-        said.append(f"up to {flight['max']} requests were in flight against a configured {concurrency}: the "
-                    "client did not cap concurrency, so the run measured that load, not the configured one "
-                    "(Locust's -u above the profile's concurrency, or several load generators each holding "
-                    "it)")  # fmt: skip
+    if above_s >= LOCK_ABOVE_FRACTION * window_s:
+        said.append(f"up to {flight['max']} requests were in flight against a configured {concurrency} (more for "
+                    f"{above_s / window_s:.0%} of the measured window): the client did not cap concurrency, so "
+                    "the run measured that load, not the configured one (Locust's -u above the profile's "
+                    "concurrency, or several load generators each holding it)")  # fmt: skip
     if closed and flight["mean"] is not None and flight["mean"] < LOCK_MEAN_FRACTION * concurrency:
         said.append(f"the closed loop held {flight['mean']:.1f} requests in flight on average (time-weighted) "
                     f"against a configured {concurrency}: users waited between requests (a client-bound load "
@@ -315,7 +337,8 @@ def lock_finding(closed: bool, concurrency: int | None, flight: dict[str, Any]) 
             "configured_concurrency": float(concurrency),
             "in_flight_mean": flight["mean"],
             "in_flight_max": float(flight["max"]),
-        },  # fmt: skip
+            "above_concurrency_s": above_s,
+        },
     }
 
 
