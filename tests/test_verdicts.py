@@ -154,7 +154,7 @@ def test_overload_verdict_on_a_server_four_times_too_slow(tmp_path):
     # Request i waits 1 + 0.75 i s for its first token, due at 0.25 i s: TTFT grows 3 ms per ms of arrivals
     # (offered / served - 1), on an exact line.
     n = 41
-    s = summarize(tmp_path, fifo_records(n, 0.25), open_manifest(4.0))
+    s = summarize(tmp_path, fifo_records(n, 0.25), open_manifest(4.0), html=True)
     o = s.overload
     assert o.over_capacity and o.offered_above_capacity and o.ttft_growing and o.in_flight_growing
     assert o.arrival_rate == pytest.approx(4.0) and o.arrival_span_s == pytest.approx(10.0)
@@ -173,6 +173,10 @@ def test_overload_verdict_on_a_server_four_times_too_slow(tmp_path):
         assert words in text, words
     md = (tmp_path / "summary.md").read_text()
     assert md.index("> **Over capacity**") < md.index("## Latency") and ": **over capacity**" in md
+    page = (tmp_path / "report.html").read_text()
+    assert page.index("<p class='finding' data-kind='over_capacity'><b>Over capacity</b>") < page.index(
+        "<h2>"
+    )
     assert Summary.read(tmp_path) == s
 
 

@@ -649,9 +649,12 @@ def compute_summary(
 
     # The workload's own bound on the cache hits, over the requests the server's ratio is taken over (all
     # completed ones when the server reported none).
+    prompt_each = np.where(
+        np.isfinite(prompt_tokens), prompt_tokens, input_len
+    )  # the server's, else intended
     shared = verdicts.reusable_prefix(run.profile, _numeric(df, "index"))
     over = both if cached_reported else ok
-    over_prompts = np.where(np.isfinite(prompt_tokens), prompt_tokens, input_len)[over]
+    over_prompts = prompt_each[over]
     summary["expected_cached_token_ratio"] = (
         float(np.nansum(shared[over]) / np.nansum(over_prompts))
         if shared is not None and over.any() and np.nansum(over_prompts) > 0
@@ -698,7 +701,6 @@ def compute_summary(
     summary["slo"]["pass"] = all(passes) if passes else None
 
     # The overload verdict (open loop) and the pitfalls the data shows.
-    prompt_each = np.where(np.isfinite(prompt_tokens), prompt_tokens, input_len)
     summary["overload"] = verdicts.overload(
         scheduled_col, t_send, ttft, prompt_each, measured, ok, t_send, end_wall
     )

@@ -89,7 +89,7 @@ def goodput(
     if "ttft_ms" in limits:
         good &= ttft <= limits["ttft_ms"]  # NaN compares False: no TTFT, no pass
     if "tpot_ms" in limits:
-        good &= ~(tpot > limits["tpot_ms"])
+        good &= ~(tpot > limits["tpot_ms"])  # NaN (nothing decoded) passes
     if "e2e_latency_ms" in limits:
         good &= e2e <= limits["e2e_latency_ms"]
     count, total = _rows(good), _rows(measured)
@@ -205,18 +205,22 @@ def overload(
 
 
 def overload_finding(verdict: dict[str, Any] | None, measured_requests: int) -> dict[str, Any] | None:
+    """The overload verdict in plain words, naming the criteria that fired with their figures."""
     if not verdict or not verdict["over_capacity"]:
         return None
     v = verdict
     why = []
-    if v["offered_prompt_tokens_per_s"] is not None and v["served_prompt_tokens_per_s"] is not None:
+    if v["offered_above_capacity"]:
         why.append(f"offered {v['offered_prompt_tokens_per_s']:.0f} prompt tok/s ({v['arrival_rate']:.1f} req/s x "
                    f"{v['mean_prompt_tokens']:.0f} tokens) against the {v['served_prompt_tokens_per_s']:.0f} prompt "
                    "tok/s the server took in while requests waited for their first token")  # fmt: skip
-    if v["ttft_slope"] is not None:
-        why.append(f"TTFT (from the due time) {'rose' if v['ttft_slope'] > 0 else 'changed'} "
-                   f"{v['ttft_slope'] * 1000:.0f} ms per second of arrivals over their second half")  # fmt: skip
-    why.append(f"requests in flight grew by {v['in_flight_growth_per_s']:.1f}/s at the end of the arrivals")
+    if v["ttft_growing"]:
+        why.append(f"TTFT (from the due time) rose {v['ttft_slope'] * 1000:.0f} ms per second of arrivals over "
+                   "their second half")  # fmt: skip
+    if v["in_flight_growing"]:
+        why.append(
+            f"requests in flight grew by {v['in_flight_growth_per_s']:.1f}/s at the end of the arrivals"
+        )
     message = (
         "Over capacity: arrivals outran the server; " + "; ".join(why) + ". TTFT grows with run length: the "
         f"percentiles describe this run's length ({measured_requests} measured requests arriving over "
