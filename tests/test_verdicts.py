@@ -489,5 +489,16 @@ def test_expected_and_delivered_cache_hits_in_virtual_time(tmp_path):
 
 def test_expected_cache_hits_need_a_profile_that_validates(tmp_path):
     # The hand-made manifests of these tests have no workload: no bound, and no finding from it.
-    s = summarize(tmp_path, [rec(i, t=i * 2.0, cached=50) for i in range(3)], _closed(1))
-    assert s.expected_cached_token_ratio is None and s.cached_token_ratio == 0.5
+    records = [rec(i, t=i * 1.0, cached=60, prompt=100, input_len=100) for i in range(3)]  # back to back
+    s = summarize(tmp_path, records, _closed(1))
+    assert s.expected_cached_token_ratio is None and s.cached_token_ratio == 0.6 and s.findings == []
+    # Only the prompts' sections need to: a cluster run's manifest names its front's URL beside the cluster
+    # file, which a profile refuses, yet its workload says what the requests share. Three requests of one
+    # shared_prefix group with a 60-token system prompt (and 40-token questions): 0 + 60 + 60 of 300.
+    (tmp_path / "b").mkdir()
+    profile = {"target": {"url": "http://127.0.0.1:9", "cluster": "c.yaml"},
+               "workload": {"kind": "shared_prefix", "num_groups": 1, "system_prompt_len": 60, "question_len": 40}}  # fmt: skip
+    s = summarize(tmp_path / "b", records, make_manifest(profile))
+    assert s.expected_cached_token_ratio == pytest.approx(120 / 300)
+    assert kinds(s) == ["prefix_cache_mismatch"]  # 60% against at most 40%
+    assert "points above the bound" in finding(s, "prefix_cache_mismatch").message

@@ -393,8 +393,11 @@ def reusable_prefix(profile: dict[str, Any] | None, indices: np.ndarray) -> np.n
     finite = indices[np.isfinite(indices)]
     if not isinstance(profile, dict) or finite.size == 0:
         return None
+    # Only what the requests are made of: the target and load sections (a cluster's front URL in place of
+    # "embedded", say) are no business of the prompts and need not validate.
+    prompts = {key: profile[key] for key in ("seed", "workload", "requests", "classes") if key in profile}
     try:
-        workload = build_workload(validate_profile(profile))
+        workload = build_workload(validate_profile(prompts))
     except (ProfileError, ValueError):
         return None
     top = int(finite.max())
