@@ -389,7 +389,7 @@ def kv_finding(peak_usage: float | None, retractions: float | None, refused: int
 def reusable_prefix(profile: dict[str, Any] | None, indices: np.ndarray) -> np.ndarray | None:
     """For each record's index, the prompt tokens its workload shares with a lower-index request of the run
     (every index below the highest recorded one: tickets hand them out in order, warm-up first). None when
-    the manifest's profile does not validate (an old or hand-made manifest)."""
+    the profile's seed, workload, requests and classes do not validate (an old or hand-made manifest)."""
     finite = indices[np.isfinite(indices)]
     if not isinstance(profile, dict) or finite.size == 0:
         return None
