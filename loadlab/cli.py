@@ -19,10 +19,10 @@ from pathlib import Path
 
 from loadlab import exits
 from loadlab.cliargs import OneLineParser, non_negative, positive
-from loadlab.cluster.config import check_classes, is_cluster_file, load_cluster
+from loadlab.cluster.config import check_classes, is_cluster_file, load_cluster, load_target_cluster
 from loadlab.manifest import MANIFEST, ManifestError, read_manifest, write_manifest
 from loadlab.procs import free_port
-from loadlab.profile import CLI_OVERRIDES, ProfileError, load_profile
+from loadlab.profile import CLI_OVERRIDES, CLUSTER_OVERRIDES, ProfileError, load_profile, parse_set_option
 from loadlab.records import (
     RECORDS_JSONL,
     RECORDS_PARQUET,
@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     cluster.add_argument("--port", type=non_negative(int), default=30000,
                          help="the front's port (0: a free one; default: 30000)")  # fmt: skip
+    cluster.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                         help="override a setting of the file, a district by its name (repeatable), e.g. "
+                         "districts.online.sglang.max_running_requests=32, front.policy=round_robin")  # fmt: skip
     cluster.set_defaults(func=_cmd_cluster)
 
     validate = sub.add_parser("validate", help="check profiles, sweep and cluster files without sending load")
@@ -131,8 +134,8 @@ def _cmd_run(args) -> int:
     profile = load_profile(args.profile, overrides_from_options(args, args.host))
     build_workload(profile)
     Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
-    if profile.target.cluster:  # a bad cluster file too, and classes its districts do not serve
-        config = load_cluster(profile.target.cluster, as_target=True)
+    if profile.target.cluster:  # a bad cluster file or override of it, and classes its districts do not serve
+        config = load_target_cluster(profile.target)
         check_classes(profile, args.profile, config, profile.target.cluster)  # Locust's init logs warnings
     if args.master_host is not None and args.workers is None:
         raise ProfileError("--master-host: only with --workers N (the workers to start)")
@@ -273,7 +276,8 @@ def _cmd_cluster(args) -> int:
 
     # This format puts loadlab.cluster.ERROR_MARK in the launcher's error lines (a run echoes them).
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
-    return run_cluster(args.cluster_file, args.host, args.port)
+    overrides = dict(parse_set_option(item) for item in args.set or [])
+    return run_cluster(args.cluster_file, args.host, args.port, overrides)
 
 
 def _cmd_validate(args) -> int:
@@ -284,6 +288,11 @@ def _cmd_validate(args) -> int:
             c = load_cluster(path)
             districts = ", ".join(f"{d.name}: {d.workers} x {d.gpu} {d.model}" for d in c.districts)
             front = f"{c.front.kind} {c.front.policy}" if c.front.kind != "none" else "no front"
+            if c.front.orientation:
+                front += f", orientation {c.front.orientation}"
+            routes = c.switch_routes() if c.front.kind == "omni" else {}
+            if routes:  # what the switch resolved to (auto expanded)
+                front += ", switch " + "; ".join(f"{k} -> {', '.join(v)}" for k, v in routes.items())
             print(f"{path}: ok (cluster {c.name}: {c.total_workers} workers ({districts}), {front})")
             continue
         if is_sweep_file(path):
@@ -296,7 +305,7 @@ def _cmd_validate(args) -> int:
             continue
         profile = load_profile(path)
         if profile.target.cluster:
-            config = load_cluster(profile.target.cluster, as_target=True)
+            config = load_target_cluster(profile.target)
             for warning in check_classes(profile, path, config, profile.target.cluster):
                 print(f"loadlab: warning: {warning}", file=sys.stderr)
         on = f", on cluster {profile.target.cluster}" if profile.target.cluster else ""
@@ -427,13 +436,17 @@ def _cmd_sim_virtual(args: argparse.Namespace, argv: list[str]) -> int:
     settings.update({k: v for k, v in explicit.items() if k in BY_NAME and k not in PROCESS_SETTINGS})
     try:
         # Here, not in run_virtual: it models the front's answer to an unserved class (a 400), which its
-        # tests rely on; a user's run is refused up front, as a real run is.
+        # tests rely on; a user's run is refused up front, as a real run is. target.cluster_overrides
+        # apply to the cluster that runs (--cluster stands for target.cluster).
+        overrides = profile.target.cluster_overrides if cluster else None
         if cluster:
-            for warning in check_classes(profile, args.virtual, load_cluster(cluster), cluster):
+            config = load_cluster(cluster, overrides=overrides, source=f"{CLUSTER_OVERRIDES}.")
+            for warning in check_classes(profile, args.virtual, config, cluster):
                 print(f"{SIM_PROG}: warning: {warning}", file=sys.stderr)
         run_dir = run_virtual(
             profile, settings, args.out or "reports", args.run_name, profile_path=args.virtual,
             command=["loadlab", "sim", *argv], cluster=cluster,
+            cluster_overrides=overrides,
         )  # fmt: skip
     except (ValueError, ConfigError) as e:
         print(f"{SIM_PROG}: error: {e}", file=sys.stderr)

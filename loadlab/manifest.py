@@ -47,6 +47,14 @@ class ClusterInfo(_Model):
     workers: list[ClusterWorkerInfo] = Field(description="every worker, in the file's order")
     districts: list[ClusterDistrictInfo] = Field(description="the districts, in the file's order")
     workers_per_process: int = Field(description="twins served by one process")
+    front_settings: dict[str, Any] | None = Field(
+        None,
+        description="the front's knobs as resolved from the file (omni: orientation, policy, poll_interval_s, "
+        "queue_size, switch with auto expanded, switch_after_waiting; router: policy); null without a front",
+    )
+    overrides: dict[str, Any] | None = Field(
+        None, description="settings laid over the file (target.cluster_overrides), dotted; null: none"
+    )
 
 
 class TargetInfo(_Model):
@@ -131,6 +139,9 @@ class VirtualStats(_Model):
     measure_start_s: float | None = Field(description="simulated time the measured phase began")
     forward_passes: int = Field(description="forward passes the scheduler ran")
     num_retractions_total: int = Field(description="requests retracted (KV cache full)")
+    num_priority_preemptions_total: int = Field(
+        0, description="running requests preempted by higher-priority ones (priority scheduling)"
+    )
     evicted_tokens_total: int = Field(description="prefix-cache tokens evicted")
     peak_used_tokens_measured: int | None = Field(description="peak KV tokens in use, measured phase")
     peak_token_usage_measured: float | None = Field(description="that peak over the KV pool size")
@@ -138,6 +149,11 @@ class VirtualStats(_Model):
     max_total_num_tokens: int = Field(description="the KV pool size in tokens")
     cost_model: str = Field(description="the GPU x model preset (each distinct one, for a cluster)")
     workers: int = Field(1, description="simulated GPUs (a cluster's workers); counts are summed over them")
+    switched: dict[str, dict[str, int]] | None = Field(
+        None,
+        description="omni's switch: requests of each class it diverted to each district, warm-up included "
+        "(null: no switch)",
+    )
     wall_s: float = Field(description="wall-clock seconds the simulation took")
 
 

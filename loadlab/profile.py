@@ -31,6 +31,7 @@ from loadlab.yamlconfig import ConfigError, Lines, check_mapping, read_mapping, 
 APIS = ("generate", "completions", "chat")
 API_PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 EMBEDDED = "embedded"
+CLUSTER_OVERRIDES = "target.cluster_overrides"  # the profile key of the settings laid over a cluster file
 
 
 class ProfileError(ConfigError):
@@ -54,6 +55,12 @@ class TargetConfig(_Strict):
     # A cluster file (`loadlab cluster`, docs/cluster.md) started for the run in place of the one twin;
     # the run aims at its front. Relative to the profile file; loaded and checked where it is started.
     cluster: str | None = Field(None, description="cluster file started for the run (url: embedded)")
+    # Settings laid over that file (a district by its name), nested or dotted: `--set
+    # target.cluster_overrides.districts.online.sglang.max_running_requests=32` (a sweep's `cluster.` axes).
+    # Checked against the file where the cluster is loaded (loadlab.cluster.config.override_cluster).
+    cluster_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="settings laid over target.cluster's file, districts by name"
+    )
     api: Literal["generate", "completions", "chat"] = "generate"
     model: str | None = Field(None, description="model name for the OpenAI APIs; default: the server's")
     tokenizer: str | None = Field(None, description="local tokenizer.json for exact text prompt lengths")
@@ -77,6 +84,13 @@ class TargetConfig(_Strict):
         if info.data.get("embedded"):
             raise ValueError("the cluster file sets its workers' settings: drop target.embedded")
         return cluster
+
+    @field_validator("cluster_overrides")
+    @classmethod
+    def _overrides_need_a_cluster(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if overrides and not info.data.get("cluster"):
+            raise ValueError("only with target.cluster (the cluster file they are laid over)")
+        return overrides
 
     @model_validator(mode="after")
     def _url_shape(self):
@@ -326,7 +340,9 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
         if kind == "random_prefix" and key in ("workload.input_len", "workload.output_len"):
             data["workload"].pop(key.split(".")[1] + "_range", None)  # a fixed length replaces a range
         if key == "target.url" and value != EMBEDDED and isinstance(data.get("target"), dict):
-            data["target"].pop("cluster", None)  # a server given on the command line replaces the cluster
+            # A server given on the command line replaces the cluster, and what was laid over it.
+            data["target"].pop("cluster", None)
+            data["target"].pop("cluster_overrides", None)
         _set_dotted(data, key, value, label)
     return validate_profile(data, label, lines)
 

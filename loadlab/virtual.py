@@ -37,8 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from loadlab.analysis.report import write_report
-from loadlab.cluster.config import load_cluster, worker_settings
-from loadlab.cluster.policies import DEFAULT_CLASS, Snapshot, WorkerLoad, choose, class_districts, class_of
+from loadlab.cluster.config import flatten_overrides, load_cluster, worker_settings
+from loadlab.cluster.policies import (
+    DEFAULT_CLASS,
+    Snapshot,
+    WorkerLoad,
+    class_districts,
+    class_of,
+    in_flight_limit,
+    next_in_line,
+)
 from loadlab.cluster.policies import POLICIES as OMNI_POLICIES
 from loadlab.load import Tickets, arrivals_for, describe_load
 from loadlab.manifest import (
@@ -52,7 +60,7 @@ from loadlab.manifest import (
     software_versions,
     write_manifest,
 )
-from loadlab.profile import Profile
+from loadlab.profile import CLUSTER_OVERRIDES, Profile
 from loadlab.records import (
     HTTP_ERROR,
     MEASURE,
@@ -60,6 +68,7 @@ from loadlab.records import (
     REJECTED,
     STATUS_FRONT,
     STATUS_WORKER,
+    STREAM_ERROR,
     RequestRecord,
     default_run_name,
     unique_run_name,
@@ -69,7 +78,7 @@ from loadlab.sim import SIM_VERSION
 from loadlab.sim.clock import output_ids_for, quantize, token_events
 from loadlab.sim.cost import cost_model
 from loadlab.sim.radix import RadixCache
-from loadlab.sim.scheduler import DONE, QueueFullError, Request, RequestTooLargeError, Scheduler
+from loadlab.sim.scheduler import DONE, Request, RequestTooLargeError, Scheduler, UnavailableError
 from loadlab.sim.settings import TwinSettings, engine_config, resolve_settings
 from loadlab.workload import build_workload
 
@@ -118,7 +127,10 @@ _SPECS: dict[str, _Specs] = {}
 
 
 def _specs_for(profile: Profile) -> _Specs:
-    key = json.dumps([profile.seed, profile.workload.model_dump(mode="json")], sort_keys=True)
+    # Everything build_workload reads: the classes too (their shares, workloads and carry: two profiles with
+    # the same workload but other classes must not share specs).
+    key = json.dumps(profile.model_dump(mode="json", include={"seed", "workload", "classes", "requests"}),
+                     sort_keys=True)  # fmt: skip
     specs = _SPECS.get(key)
     if specs is None:
         while len(_SPECS) >= 4:
@@ -231,15 +243,23 @@ class VirtualRun:
             self._on_done(t, index, phase)
             return
         queue = self._front_queues.setdefault(cls, deque())
-        chosen = self.front.choose(spec, t)
+        # First in line (nothing of its class waiting) it may take room now, its own districts' or by the
+        # switch rule a switch district's; behind others it joins the line (its own districts have no room
+        # then: the queue is drained whenever room appears), and the line's head may switch (as omni).
+        first = not queue
+        chosen = self.front.choose(spec, t, in_line=len(queue) + 1, switch=first)
         if chosen is None:  # no worker has room: the request waits at the front, or is refused
-            if len(queue) >= self.front.queue_size:
+            entry = (index, phase, t, due)
+            queue.append(entry)
+            self.in_flight += 1
+            if not first and self.front.switches(cls):
+                self._drain_class(cls, t, switch=True)
+            if len(queue) > self.front.queue_size:
+                queue.remove(entry)
+                self.in_flight -= 1
                 self._record_rejected(index, phase, t, due, spec, 429,
                                       f"class {cls!r}: the front's queue is full ({len(queue)} waiting)")  # fmt: skip
                 self._on_done(t, index, phase)
-            else:
-                queue.append((index, phase, t, due))
-                self.in_flight += 1
             return
         self._dispatch(t, index, phase, due, spec, self.workers[chosen])
 
@@ -251,30 +271,41 @@ class VirtualRun:
             spec.max_new_tokens,
             output_ids=spec.output_ids,
             stream_interval=worker.settings.stream_interval,
+            priority=spec.priority,  # the body's priority field (the profile's classes[].carry.priority)
         )
         req.handle = (index, phase, t, due, spec, worker)
         try:
-            worker.sched.add_request(req, t)
-        except (QueueFullError, RequestTooLargeError) as e:
-            status = 503 if isinstance(e, QueueFullError) else 400
+            displaced = worker.sched.add_request(req, t)
+        except (UnavailableError, RequestTooLargeError) as e:
+            status = 503 if isinstance(e, UnavailableError) else 400
             self._record_failure(index, phase, t, due, spec, status, str(e), worker)
             self.front.finished(self.workers.index(worker))
             self._on_done(t, index, phase)
             return
         self.in_flight += 1
+        if displaced is not None:  # a higher-priority request took its place in the worker's full queue
+            self._record_dropped(displaced, t)
 
     def _drain_front_queue(self, now: float) -> None:
-        """A worker has room again: each class's waiting requests go out in order while they can."""
-        for queue in self._front_queues.values():
-            while queue:
-                index, phase, t, due = queue[0]
-                spec = self.specs.get(index)
-                chosen = self.front.choose(spec, now)
-                if chosen is None:
-                    break
-                queue.popleft()
-                self.in_flight -= 1  # counted again by _dispatch
-                self._dispatch(t, index, phase, due, spec, self.workers[chosen])
+        """A worker has room again: each class's waiting requests go out in order while they can, every
+        class to its own districts first, then by the switch (as omni's ``_pump``)."""
+        for cls in self._front_queues:
+            self._drain_class(cls, now, switch=False)
+        for cls in self._front_queues:
+            if self.front.switches(cls):
+                self._drain_class(cls, now, switch=True)
+
+    def _drain_class(self, cls: str, now: float, switch: bool) -> None:
+        queue = self._front_queues[cls]
+        while queue:
+            index, phase, t, due = queue[0]
+            spec = self.specs.get(index)
+            chosen = self.front.choose(spec, now, in_line=len(queue), switch=switch)
+            if chosen is None:
+                break
+            queue.popleft()
+            self.in_flight -= 1  # counted again by _dispatch
+            self._dispatch(t, index, phase, due, spec, self.workers[chosen])
 
     def _on_done(self, t: float, index: int, phase: str) -> None:
         opened = self.tickets.finished(phase)
@@ -326,6 +357,19 @@ class VirtualRun:
         self._write(self._request_record(index, phase, t, due, spec, outcome=HTTP_ERROR, http_status=status,
                                          error=f"HTTP {status}: {message}", e2e_ms=0.0, served_by=worker.name,
                                          status_source=STATUS_WORKER))  # fmt: skip
+
+    def _record_dropped(self, r: Request, t: float) -> None:
+        """A request the worker aborted while it waited: its stream (already answered 200) ends with the
+        abort, as the client records it."""
+        index, phase, t_send, due, spec, worker = r.handle
+        message = (r.finish_reason or {}).get("message", "")
+        self._write(self._request_record(index, phase, t_send, due, spec, outcome=STREAM_ERROR, http_status=200,
+                                         error=f"aborted by server: {message}", e2e_ms=(t - t_send) * 1000.0,
+                                         server_id=r.rid, served_by=worker.name,
+                                         status_source=STATUS_WORKER))  # fmt: skip
+        self.in_flight -= 1
+        self.front.finished(self.workers.index(worker))
+        self._on_done(t, index, phase)
 
     def _record(self, r: Request) -> None:
         index, phase, t_send, due, spec, worker = r.handle
@@ -415,6 +459,7 @@ class VirtualRun:
             "measure_start_s": self.measure_start,
             "forward_passes": sum(s["forward_passes"] for _, s in per),
             "num_retractions_total": sum(s["num_retractions_total"] for _, s in per),
+            "num_priority_preemptions_total": sum(s["num_priority_preemptions_total"] for _, s in per),
             "evicted_tokens_total": sum(s["evicted_tokens_total"] for _, s in per),
             "peak_used_tokens_measured": peak,
             "peak_token_usage_measured": usage,
@@ -422,6 +467,7 @@ class VirtualRun:
             "max_total_num_tokens": sum(s["max_total_num_tokens"] for _, s in per),
             "cost_model": ", ".join(sorted({w.cost.name for w in self.workers})),
             "workers": len(self.workers),
+            "switched": self.front.switched_counts(),
         }
 
 
@@ -436,21 +482,31 @@ class FrontSpec:
     policy: str = "round_robin"
     poll_interval_s: float = 0.5
     queue_size: int = 1024
+    # omni: the most requests in flight per worker (its --max-in-flight-per-worker); None: each worker's
+    # max_running_requests
+    max_in_flight_per_worker: int | None = None
     # omni: (district name, its workers, the classes it serves or None for any), in the workers' order;
     # empty: one district of every worker serving any class
     districts: tuple[tuple[str, int, tuple[str, ...] | None], ...] = ()
+    # omni's switch: (class, the districts its overflow may go to) each; policies.next_in_line's rule
+    switch: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    switch_after_waiting: int = 0
+    in_flight_fraction: float = 1.0  # omni's limit per worker: this much of its max_running_requests
 
 
 class _Front:
-    """A front's decisions on the virtual clock: ``choose(spec, now)`` is the worker's index, or None when
-    no worker may take the request now (it waits at the front); ``finished(i)`` when one ends on worker i."""
+    """A front's decisions on the virtual clock: ``choose(spec, now, in_line, switch)`` is the worker's
+    index, or None when no worker may take the request now (it waits at the front); ``finished(i)`` when one
+    ends on worker i."""
 
     queue_size = 0  # a router-like front has no queue of its own: it always chooses
 
     def __init__(self, workers: list[_Worker], seed: int):
         self.workers = workers
 
-    def choose(self, spec, now: float) -> int | None:
+    def choose(self, spec, now: float, in_line: int = 1, switch: bool = False) -> int | None:
+        """``in_line``: requests of its class in line at the front, counting this one; ``switch``: this
+        decision may divert it by the switch rule (omni's; other fronts have none)."""
         raise NotImplementedError
 
     def queue_key(self, spec) -> str | None:
@@ -460,13 +516,21 @@ class _Front:
     def finished(self, i: int) -> None:
         pass
 
+    def switches(self, cls: str) -> bool:
+        """The class has switch districts."""
+        return False
+
+    def switched_counts(self) -> dict[str, dict[str, int]] | None:
+        """Requests the switch diverted, by class and district (None: no switch)."""
+        return None
+
 
 class _RoundRobin(_Front):
     def __init__(self, workers, seed):
         super().__init__(workers, seed)
         self.turn = itertools.count()
 
-    def choose(self, spec, now):
+    def choose(self, spec, now, in_line=1, switch=False):
         return next(self.turn) % len(self.workers)
 
 
@@ -478,7 +542,7 @@ class _PowerOfTwo(_Front):
         super().__init__(workers, seed)
         self.rng = random.Random(f"loadlab-virtual-power-of-two-{seed}")  # salt: never change
 
-    def choose(self, spec, now):
+    def choose(self, spec, now, in_line=1, switch=False):
         if len(self.workers) == 1:
             return 0
         a, b = self.rng.sample(range(len(self.workers)), 2)
@@ -497,7 +561,7 @@ class _CacheAware(_Front):
         super().__init__(workers, seed)
         self.trees = [RadixCache() for _ in workers]
 
-    def choose(self, spec, now):
+    def choose(self, spec, now, in_line=1, switch=False):
         loads = [w.load for w in self.workers]
         least = min(range(len(loads)), key=loads.__getitem__)
         if max(loads) - min(loads) > self.ABS_THRESHOLD and max(loads) > self.REL_THRESHOLD * min(loads):
@@ -513,7 +577,9 @@ class _CacheAware(_Front):
 class _Omni(_Front):
     """omni's policies (the real front's own functions) on what omni would know: each worker's signals as
     polled at the last multiple of ``poll_interval_s`` (stale, as in life) and omni's exact in-flight
-    counts; at most ``max_running_requests`` in flight per worker, the rest waits in omni's queue."""
+    counts; at most ``max_in_flight_per_worker``, else ``max_running_requests`` times ``in_flight_fraction``,
+    in flight per worker; the rest
+    waits in omni's queue or, by the switch rule, goes to a switch district (``policies.next_in_line``)."""
 
     def __init__(self, workers, seed, spec: FrontSpec):
         super().__init__(workers, seed)
@@ -533,6 +599,14 @@ class _Omni(_Front):
         # Each class's workers (indices) and round-robin cursor: as the real omni's SloClass.
         self.members = {c: [i for i, d in enumerate(of) if d in ds] for c, ds in self.pools.items()}
         self.cursors = dict.fromkeys(self.pools, 0)
+        # The switch: each class's switch districts' workers, their own cursor, what was diverted where.
+        self.switch_after = spec.switch_after_waiting
+        self.spill = {c: [i for i, d in enumerate(of) if d in ds] for c, ds in spec.switch}
+        self.spill_cursors = dict.fromkeys(self.spill, 0)
+        self.switched = {c: dict.fromkeys(ds, 0) for c, ds in spec.switch}
+        self.district_of = of
+        self.limits = [in_flight_limit(w.settings.max_running_requests, spec.max_in_flight_per_worker,
+                                       spec.in_flight_fraction) for w in workers]  # fmt: skip
 
     def queue_key(self, spec) -> str | None:
         return class_of(self.pools, spec.request_class)
@@ -544,28 +618,45 @@ class _Omni(_Front):
                         self.in_flight[i]) for i, w in enumerate(self.workers)]  # fmt: skip
         self.next_poll = (math.floor(now / self.interval) + 1) * self.interval
 
-    def choose(self, spec, now):
+    def _loads(self, members: list[int]) -> tuple[WorkerLoad, ...]:
+        return tuple(
+            WorkerLoad(index=i, name=w.name, in_flight=self.in_flight[i], limit=self.limits[i],
+                       routed=self.routed[i], running=run, waiting=wait, token_usage=usage,
+                       in_flight_at_poll=at_poll, max_running=w.settings.max_running_requests)
+            for i, (w, (run, wait, usage, at_poll)) in ((i, (self.workers[i], self.polled[i])) for i in members)
+        )  # fmt: skip
+
+    def choose(self, spec, now, in_line=1, switch=False):
         cls = self.queue_key(spec)
         if cls is None:
             return None
         self._poll(now)
-        loads = tuple(
-            WorkerLoad(index=i, name=w.name, in_flight=self.in_flight[i], limit=w.settings.max_running_requests,
-                       routed=self.routed[i], running=run, waiting=wait, token_usage=usage,
-                       in_flight_at_poll=at_poll, max_running=w.settings.max_running_requests)
-            for i, (w, (run, wait, usage, at_poll)) in ((i, (self.workers[i], self.polled[i]))
-                                                        for i in self.members[cls])
-        )  # fmt: skip
         key = b"i:" + ",".join(map(str, spec.prompt[:OMNI_PREFIX_LEN])).encode()
-        chosen = choose(self.policy, Snapshot(workers=loads, key=key, cursor=self.cursors[cls]), self.rng)
-        if chosen is not None:
+        own = Snapshot(workers=self._loads(self.members[cls]), key=key, cursor=self.cursors[cls])
+        spill = None
+        if switch and cls in self.spill:
+            spill = Snapshot(workers=self._loads(self.spill[cls]), key=key, cursor=self.spill_cursors[cls])
+        got = next_in_line(self.policy, own, spill, in_line, self.switch_after, self.rng)
+        if got is None:
+            return None
+        chosen, switched = got
+        if switched:
+            self.spill_cursors[cls] = chosen + 1
+            self.switched[cls][self.district_of[chosen]] += 1
+        else:
             self.cursors[cls] = chosen + 1
-            self.in_flight[chosen] += 1
-            self.routed[chosen] += 1
+        self.in_flight[chosen] += 1
+        self.routed[chosen] += 1
         return chosen
 
     def finished(self, i: int) -> None:
         self.in_flight[i] -= 1
+
+    def switches(self, cls: str) -> bool:
+        return cls in self.spill
+
+    def switched_counts(self) -> dict[str, dict[str, int]] | None:
+        return {c: dict(n) for c, n in self.switched.items()} if self.spill else None
 
 
 OMNI_PREFIX_LEN = 256  # omni's --prefix-len default: the prefix policy's key
@@ -606,18 +697,26 @@ def run_virtual(
     profile_path: str | None = None,
     command: list[str] | None = None,
     cluster: str | Path | None = None,
+    cluster_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Runs ``profile`` against the twin in virtual time and writes a complete run directory; returns it.
 
     ``sim_settings`` are server settings under SGLang's names (``max_running_requests``, ``gpu``, ...),
     as in a profile's ``target.embedded``; unset ones take the server's defaults. ``cluster``: a cluster
-    file instead (its districts' workers behind its front; ``sim_settings`` then apply to every worker)."""
+    file instead (its districts' workers behind its front; ``sim_settings`` then apply to every worker),
+    with ``cluster_overrides`` laid over it (a profile's ``target.cluster_overrides``)."""
     wall0 = time.perf_counter()
-    config = load_cluster(cluster) if cluster is not None else None
+    overrides = flatten_overrides(cluster_overrides or {})
+    config = (
+        load_cluster(cluster, overrides=overrides, source=f"{CLUSTER_OVERRIDES}.")
+        if cluster is not None
+        else None
+    )
     if config is None:
         names, many, front, cluster_info = None, [resolve_settings(dict(sim_settings or {}))], None, None
     else:
         names, many, front, cluster_info = _cluster_workers(config, str(cluster), sim_settings or {})
+        cluster_info.overrides = overrides or None
     settings = many[0]
     out_root = Path(out_root)
     out_root.mkdir(parents=True, exist_ok=True)
@@ -681,11 +780,17 @@ def _cluster_workers(config, path: str, overrides: dict[str, Any]):
     f = config.front
     if f.kind == "none" and len(many) > 1:
         raise ValueError(f"{path}: front kind none: a virtual run needs a front for {len(many)} workers")
-    front = FrontSpec(kind="omni" if f.kind == "omni" else "router", policy=f.policy or "round_robin",
+    omni = f.kind == "omni"
+    front = FrontSpec(kind="omni" if omni else "router", policy=f.policy or "round_robin",
                       poll_interval_s=f.poll_interval_s or 0.5, queue_size=f.queue_size or 1024,
-                      districts=tuple(routes) if f.kind == "omni" else ())  # fmt: skip
+                      max_in_flight_per_worker=f.max_in_flight_per_worker,
+                      districts=tuple(routes) if omni else (),
+                      switch=tuple((c, tuple(ds)) for c, ds in config.switch_routes().items()) if omni else (),
+                      switch_after_waiting=f.switch_after_waiting or 0,
+                      in_flight_fraction=f.in_flight_fraction or 1.0)  # fmt: skip
     info = ClusterInfo(file=path, name=config.name, front_kind=f.kind, policy=f.policy, front_url=None,
-                       workers=workers, districts=districts, workers_per_process=config.workers_per_process)  # fmt: skip
+                       workers=workers, districts=districts, workers_per_process=config.workers_per_process,
+                       front_settings=config.front_settings())  # fmt: skip
     return names, many, front, info
 
 

@@ -14,7 +14,11 @@ from loadlab.cluster.policies import (
     WorkerLoad,
     affinity_worker,
     choose,
+    class_districts,
+    in_flight_limit,
+    next_in_line,
     prompt_prefix,
+    switch_routes,
 )
 from loadlab.cluster.signals import combine, parse_get_load, parse_metrics
 
@@ -66,6 +70,43 @@ def test_nothing_with_room_means_wait():
     ws = workers({"limit": 2, "in_flight": 2}, {"up": False})
     for policy in ("round_robin", "power_of_two", "least_queue", "least_kv", "prefix"):
         assert choose(policy, Snapshot(ws, key=b"k"), random.Random(0)) is None
+
+
+def test_the_switch_rule_own_districts_first_then_a_line_longer_than_the_threshold():
+    full = Snapshot(tuple(WorkerLoad(i, f"w{i}", limit=2, in_flight=2) for i in range(2)))
+    room = Snapshot((WorkerLoad(2, "w2", limit=4, in_flight=1), WorkerLoad(3, "w3", limit=4, in_flight=0)))
+    own_room = Snapshot((WorkerLoad(0, "w0", limit=2, in_flight=1),))
+    rng = random.Random(0)
+    # Room at home: always home, whatever the line.
+    assert next_in_line("least_queue", own_room, room, 9, 0, rng) == (0, False)
+    # Home full: diverted (to the switch district's least busy) once more than N are in line.
+    assert next_in_line("least_queue", full, room, 1, 0, rng) == (3, True)
+    assert next_in_line("least_queue", full, room, 2, 2, rng) is None
+    assert next_in_line("least_queue", full, room, 3, 2, rng) == (3, True)
+    # No switch for this decision, or no room there either: it waits.
+    assert next_in_line("least_queue", full, None, 5, 0, rng) is None
+    assert next_in_line("least_queue", full, full, 5, 0, rng) is None
+    # A down worker has no room: its district counts as full.
+    down = Snapshot((WorkerLoad(0, "w0", up=False, limit=2),))
+    assert next_in_line("round_robin", down, room, 1, 0, rng) == (2, True)
+
+
+def test_switch_routes_auto_and_explicit():
+    names = ["online", "offline", "rest"]
+    pools = class_districts([("online", ["online"]), ("offline", ["offline"]), ("rest", None)])
+    assert pools == {"online": ["online", "rest"], "offline": ["offline", "rest"], "default": ["rest"]}
+    assert switch_routes(pools, names, "auto") == {"online": ["offline"], "offline": ["online"],
+                                                   "default": ["online", "offline"]}  # fmt: skip
+    assert switch_routes(pools, names, {"online": ["offline"]}) == {"online": ["offline"]}
+    assert switch_routes(pools, names, None) == {}
+    with pytest.raises(ValueError, match="online: district 'rest' already serves class 'online'"):
+        switch_routes(pools, names, {"online": ["rest"]})
+
+
+def test_in_flight_limit():
+    assert in_flight_limit(64) == 64 and in_flight_limit(64, fraction=0.75) == 48
+    assert in_flight_limit(1, fraction=0.5) == 1  # never below one
+    assert in_flight_limit(64, fixed=3, fraction=0.5) == 3 and in_flight_limit(None, fraction=0.5) is None
 
 
 def test_least_queue_fewest_waiting_then_running():

@@ -43,7 +43,8 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_shipped_profiles_are_valid(path):
     if "axes" in yaml.safe_load(path.read_text()):  # a sweep file: its base profile must load too
         spec = load_sweep(path)
-        assert spec.repeats >= 1 and spec.launch[0] == "loadlab"
+        # A launched twin, or (a cluster sweep) the profile's own cluster started by each run.
+        assert spec.repeats >= 1 and (spec.launch[0] == "loadlab" if spec.launch else spec.fresh_target)
         return
     profile = load_profile(path)
     assert profile.requests.measured > 0

@@ -5,9 +5,11 @@ file, the line and the key. ``docs/cluster.md`` documents the format.
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NoReturn
 
 from pydantic import (
     BaseModel,
@@ -20,11 +22,18 @@ from pydantic import (
     model_validator,
 )
 
-from loadlab.cluster.policies import CLASS_HEADER, DEFAULT_CLASS, class_districts
-from loadlab.profile import Profile, ProfileError
+from loadlab.cluster.policies import (
+    CLASS_HEADER,
+    DEFAULT_CLASS,
+    SWITCH_AUTO,
+    class_districts,
+    switch_problem,
+    switch_routes,
+)
+from loadlab.profile import CLUSTER_OVERRIDES, Profile, ProfileError, TargetConfig
 from loadlab.sim.cost import GPUS, MODELS
 from loadlab.sim.settings import BY_NAME, check_embedded_settings, resolve_settings
-from loadlab.yamlconfig import ConfigError, Lines, check_mapping, read_mapping, validation_message, where
+from loadlab.yamlconfig import ConfigError, Lines, describe, read_mapping, validation_message, where
 
 FrontKind = Literal["router", "omni", "none"]
 # The policies each front offers (the router's are sglang-router's `--policy` names).
@@ -36,6 +45,33 @@ POLICIES: dict[str, tuple[str, ...]] = {
 DEFAULT_POLICY = {"router": "cache_aware", "omni": "least_queue"}  # the router's own default; omni's
 DEFAULT_POLL_INTERVAL_S = 0.5
 DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_SWITCH_AFTER_WAITING = 0
+DEFAULT_IN_FLIGHT_FRACTION = 1.0
+# The seed's four orientations of its global scheduler (shared/seed/brief.md section 3), each a named set
+# of omni's knobs; a key the file sets itself wins over its orientation's. docs/omni.md says why each value.
+# The switch cannot name districts in a preset (they are the file's), so a preset says auto (every class
+# may divert to every district not serving it) or false (no switch).
+ORIENTATIONS: dict[str, dict[str, Any]] = {
+    # offline batch: big decode batches. Cache affinity (prefix) raises radix hits, so less prefill cuts in;
+    # a deep queue rejects nothing (tails uncontrolled); a class spills only a sustained backlog (32),
+    # keeping the other district's batches mostly its own.
+    "throughput": {"policy": "prefix", "poll_interval_s": 1.0, "queue_size": 4096, "in_flight_fraction": 1.0,
+                   "switch": "auto", "switch_after_waiting": 32},
+    # online chat / RAG: small batches in the stable range (omni fills only 3/4 of each worker's
+    # max_running_requests, so fewer prefills cut into a decode batch: lower utilisation is its price); no
+    # request waits at the front while another district has room; fresh signals for the decisions.
+    "latency": {"policy": "least_queue", "poll_interval_s": 0.1, "queue_size": 256, "in_flight_fraction": 0.75,
+                "switch": "auto", "switch_after_waiting": 0},
+    # strict SLO on the main path: route by KV use (no worker pushed into preemption), a short bounded
+    # queue that rejects overload (429) instead of letting P95 grow, and no switch: a class's overload
+    # never moves into another class's district.
+    "stability": {"policy": "least_kv", "poll_interval_s": 0.25, "queue_size": 32, "in_flight_fraction": 1.0,
+                  "switch": False, "switch_after_waiting": 0},
+    # scarce GPUs, mixed offline: every free slot anywhere is used at once, nothing is refused (queueing
+    # accepted), slow cheap polls and a two-choice policy (latency swings accepted).
+    "cost": {"policy": "power_of_two", "poll_interval_s": 2.0, "queue_size": 8192, "in_flight_fraction": 1.0,
+             "switch": "auto", "switch_after_waiting": 0},
+}  # fmt: skip
 # Twins served by one process (one event loop); measured in bench/cluster_realtime.py (docs/cluster.md).
 DEFAULT_WORKERS_PER_PROCESS = 1
 # Set by the district itself (gpu, model) or by the launcher (where a worker listens, how it logs).
@@ -100,6 +136,36 @@ class Front(_Strict):
     queue_size: StrictInt | None = Field(
         None, gt=0, description=f"omni: the most requests its queue holds (default {DEFAULT_QUEUE_SIZE})"
     )
+    max_in_flight_per_worker: StrictInt | None = Field(
+        None,
+        gt=0,
+        description="omni: the most requests it lets one worker have in flight (its --max-in-flight-per-worker; "
+        "default: in_flight_fraction of the worker's max_running_requests); above max_running_requests, the "
+        "wait is in the worker's own queue",
+    )
+    orientation: str | None = Field(
+        None,
+        description="omni: a named set of its knobs, the seed's four orientations: "
+        f"{', '.join(ORIENTATIONS)} (keys set here win over it)",
+    )
+    switch: Any = Field(
+        None,
+        description="omni: where a saturated class's overflow may go: {class: [district, ...]}, auto (every "
+        "district not serving the class) or false (none, the default)",
+    )
+    in_flight_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="omni: its limit on requests in flight at a worker, as a fraction of the worker's "
+        f"max_running_requests (rounded down; default {DEFAULT_IN_FLIGHT_FRACTION:g}: the whole batch)",
+    )
+    switch_after_waiting: StrictInt | None = Field(
+        None,
+        ge=0,
+        description="omni: a class switches only while more than this many of its requests wait at omni "
+        f"(default {DEFAULT_SWITCH_AFTER_WAITING})",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -109,11 +175,47 @@ class Front(_Strict):
         kind = data.get("kind", "router")
         if kind == "omni":
             defaults = {"policy": DEFAULT_POLICY["omni"], "poll_interval_s": DEFAULT_POLL_INTERVAL_S,
-                        "queue_size": DEFAULT_QUEUE_SIZE}  # fmt: skip
-            return {**defaults, **{k: v for k, v in data.items() if v is not None}}
+                        "queue_size": DEFAULT_QUEUE_SIZE, "in_flight_fraction": DEFAULT_IN_FLIGHT_FRACTION,
+                        "switch": False,
+                        "switch_after_waiting": DEFAULT_SWITCH_AFTER_WAITING}  # fmt: skip
+            # An unknown name adds nothing here; the orientation field's check names the valid ones.
+            name = data.get("orientation")
+            preset = ORIENTATIONS.get(name, {}) if isinstance(name, str) else {}
+            return {**defaults, **preset, **{k: v for k, v in data.items() if v is not None}}
         if kind == "router" and data.get("policy") is None:
             return {**data, "policy": DEFAULT_POLICY["router"]}
         return data
+
+    @field_validator("orientation")
+    @classmethod
+    def _known_orientation(cls, orientation: str | None) -> str | None:
+        if orientation is not None and orientation not in ORIENTATIONS:
+            raise ValueError(f"expected one of {', '.join(ORIENTATIONS)}, got {orientation!r}")
+        return orientation
+
+    @field_validator("switch")
+    @classmethod
+    def _switch_shape(cls, switch: Any) -> Any:
+        """False or None: no switch; ``auto``; or {class: [district, ...]} (one district may be given
+        alone). What the names mean is checked against the districts by ``load_cluster``."""
+        if switch is None or switch is False or switch == SWITCH_AUTO:
+            return None if switch is False else switch
+        if isinstance(switch, dict) and switch:
+            out = {}
+            for c, targets in switch.items():
+                targets = [targets] if isinstance(targets, str) else targets
+                if (
+                    not isinstance(c, str)
+                    or not isinstance(targets, list)
+                    or not all(isinstance(d, str) for d in targets)
+                ):
+                    raise ValueError(f"{c}: expected a district or a list of districts, got {targets!r}")
+                out[c] = targets
+            return out
+        raise ValueError(
+            f"expected {SWITCH_AUTO}, false or a mapping of class to districts (e.g. {{online: [offline]}}), "
+            f"got {switch!r}"
+        )
 
     @field_validator("policy")
     @classmethod
@@ -129,7 +231,15 @@ class Front(_Strict):
             raise ValueError(f"{kind}: expected one of {', '.join(POLICIES[kind])}, got {policy!r}")
         return policy
 
-    @field_validator("poll_interval_s", "queue_size")
+    @field_validator(
+        "poll_interval_s",
+        "queue_size",
+        "max_in_flight_per_worker",
+        "orientation",
+        "in_flight_fraction",
+        "switch",
+        "switch_after_waiting",
+    )
     @classmethod
     def _omni_only(cls, value: Any, info: ValidationInfo) -> Any:
         kind = info.data.get("kind")
@@ -153,6 +263,28 @@ class ClusterConfig(_Strict):
     @property
     def total_workers(self) -> int:
         return sum(d.workers for d in self.districts)
+
+    def class_pools(self) -> dict[str, list[str]]:
+        """Which districts serve each class (``policies.class_districts``)."""
+        return class_districts([(d.name, d.serves) for d in self.districts])
+
+    def switch_routes(self) -> dict[str, list[str]]:
+        """Each class's switch districts, resolved (``auto`` expanded); empty without a switch."""
+        return switch_routes(self.class_pools(), [d.name for d in self.districts], self.front.switch)
+
+    def front_settings(self) -> dict[str, Any] | None:
+        """The front's resolved knobs, as the launcher passes them (None without a front): omni's
+        orientation, policy, poll interval, queue size, in-flight limit or fraction and switch (resolved); the
+        router's policy."""
+        f = self.front
+        if f.kind == "none":
+            return None
+        if f.kind == "router":
+            return {"policy": f.policy}
+        return {"orientation": f.orientation, "policy": f.policy, "poll_interval_s": f.poll_interval_s,
+                "queue_size": f.queue_size, "max_in_flight_per_worker": f.max_in_flight_per_worker,
+                "in_flight_fraction": f.in_flight_fraction, "switch": self.switch_routes(),
+                "switch_after_waiting": f.switch_after_waiting}  # fmt: skip
 
     def processes(self) -> list[tuple[District, int]]:
         """The worker processes to start: (district, twins in it), districts in order."""
@@ -181,10 +313,17 @@ def _check_sglang(settings: dict) -> str | None:
     return check_embedded_settings(settings)
 
 
-def load_cluster(path: str | Path, as_target: bool = False) -> ClusterConfig:
+def load_cluster(
+    path: str | Path,
+    as_target: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+    source: str = "override ",
+) -> ClusterConfig:
     """Reads and checks a cluster file. Relative paths in it (a tokenizer) are relative to the file.
     ``as_target``: a run's target (a profile's ``target.cluster``), which needs one URL to aim at: a front,
-    or a single worker."""
+    or a single worker. ``overrides``: settings laid over the file, a district by its name
+    (``districts.online.sglang.max_running_requests``; ``override_cluster``); ``source`` prefixes their
+    keys in messages (``--set ``, ``target.cluster_overrides.``)."""
     path = Path(path)
     label = str(path)
     data, lines = read_mapping(path, "cluster", ClusterError)
@@ -193,37 +332,185 @@ def load_cluster(path: str | Path, as_target: bool = False) -> ClusterConfig:
         sglang = d.get("sglang") if isinstance(d, dict) else None
         if isinstance(sglang, dict) and isinstance(sglang.get("tokenizer"), str):
             sglang["tokenizer"] = os.path.abspath(path.parent / sglang["tokenizer"])
+    written = copy.deepcopy(data)  # the file's own keys, for the overrides (validation fills in the rest)
     try:
         config = ClusterConfig.model_validate(data)
     except ValidationError as e:
         raise ClusterError(validation_message(e, label, lines)) from None
+
+    def fail(loc: list[str], problem: str) -> NoReturn:
+        raise ClusterError(f"{where(label, lines, loc)}: {'.'.join(loc)}: {problem}")
+
+    _check_config(config, as_target, fail, lines)
+    if overrides:
+        # The file is checked first, so every problem from here on is an override's.
+        config = override_cluster(config, written, overrides, label, as_target, source)
+    return config
+
+
+def load_target_cluster(target: TargetConfig) -> ClusterConfig:
+    """A profile's ``target.cluster`` as a run's target, with its ``target.cluster_overrides`` laid over."""
+    if target.cluster is None:
+        raise ValueError("the profile's target has no cluster")
+    return load_cluster(target.cluster, True, target.cluster_overrides, f"{CLUSTER_OVERRIDES}.")
+
+
+def _check_config(
+    config: ClusterConfig, as_target: bool, fail: Callable[[list[str], str], NoReturn], given: Lines
+) -> None:
+    """What the schema cannot say about one field alone; ``fail(loc, problem)`` raises the error. ``given``:
+    the key paths the file (or the overrides) set, for a problem of two keys to name the one given."""
     seen: dict[str, int] = {}
     for i, d in enumerate(config.districts):
         loc = ["districts", str(i)]
         if d.name in seen:
-            raise ClusterError(f"{where(label, lines, [*loc, 'name'])}: districts.{i}.name: {d.name!r} "
-                               f"is also district {seen[d.name]}'s name")  # fmt: skip
+            fail([*loc, "name"], f"{d.name!r} is also district {seen[d.name]}'s name")
         seen[d.name] = i
-        check_mapping(dict(d.sglang), _check_sglang, [*loc, "sglang"], label, lines, ClusterError)
+        for key, value in d.sglang.items():  # one key at a time first: the error names that key
+            problem = _check_sglang({key: value})
+            if problem:
+                fail([*loc, "sglang", str(key)], problem.removeprefix(f"{key}: "))
+        problem = _check_sglang(dict(d.sglang))
+        if problem:
+            fail([*loc, "sglang"], problem)
         try:
             resolve_settings(worker_settings(d))
         except ValueError as e:  # settings that cannot work together (no room left for the KV cache)
-            raise ClusterError(
-                f"{where(label, lines, [*loc, 'sglang'])}: districts.{i}.sglang: {e}"
-            ) from None
+            fail([*loc, "sglang"], str(e))
     serving = [i for i, d in enumerate(config.districts) if d.serves is not None]
     if serving and config.front.kind != "omni":
-        i = serving[0]
-        raise ClusterError(
-            f"{where(label, lines, ['districts', str(i), 'serves'])}: districts.{i}.serves: routing by class "
-            f"needs front kind omni (this front is {config.front.kind}: every worker serves every class)"
-        )
+        fail(["districts", str(serving[0]), "serves"], "routing by class needs front kind omni (this front "
+             f"is {config.front.kind}: every worker serves every class)")  # fmt: skip
+    switch = config.front.switch
+    if isinstance(switch, dict):  # auto needs no check: it names only districts that exist
+        pools, names = config.class_pools(), [d.name for d in config.districts]
+        for cls, targets in switch.items():
+            problem = switch_problem(pools, names, cls, targets)
+            if problem:
+                fail(["front", "switch", cls], problem)
+    front = config.front
+    if config.switch_routes() and front.switch_after_waiting > front.queue_size:
+        key = "switch_after_waiting" if ("front", "switch_after_waiting") in given else "queue_size"
+        fail(["front", key], f"the switch waits for more than {front.switch_after_waiting} requests in line, but "
+             f"the queue holds {front.queue_size}: it would answer 429 before the switch ever diverts "
+             "(switch_after_waiting may not exceed queue_size)")  # fmt: skip
     if as_target and config.front.kind == "none" and config.total_workers > 1:
-        raise ClusterError(
-            f"{where(label, lines, ['front', 'kind'])}: front.kind: a run aims at one URL, and a cluster "
-            f"without a front has {config.total_workers} workers: give it a front (router or omni)"
-        )
-    return config
+        fail(["front", "kind"], f"a run aims at one URL, and a cluster without a front has "
+             f"{config.total_workers} workers: give it a front (router or omni)")  # fmt: skip
+
+
+class ClusterOverrideError(ClusterError):
+    """A bad override of a cluster file: ``key`` (the override's dotted key, districts by name) and
+    ``problem`` (what is wrong), for a caller that names the override its own way (a sweep's axis)."""
+
+    def __init__(self, label: str, source: str, key: str, problem: str):
+        super().__init__(f"{label}: {source}{key}: {problem}")
+        self.key, self.problem = key, problem
+
+
+DISTRICT_KEYS = ("workers", "gpu", "model", "serves")
+FRONT_KEYS = tuple(Front.model_fields)
+TOP_KEYS = ("name", "workers_per_process")
+OVERRIDE_KEYS = "name, workers_per_process, front.KEY, districts.NAME.KEY"
+
+
+def flatten_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"districts": {"online": {"sglang": {"max_running_requests": 32}}}}`` (as ``--set`` nests a dotted
+    key) and ``{"districts.online.sglang.max_running_requests": 32}`` alike -> the flat form."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(overrides, "")
+    return flat
+
+
+def override_cluster(
+    config: ClusterConfig,
+    written: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    label: str = "<cluster>",
+    as_target: bool = False,
+    source: str = "override ",
+) -> ClusterConfig:
+    """A new ``ClusterConfig``: ``config`` (loaded from the mapping ``written``) with ``overrides`` laid on
+    (dotted keys, nested or flat; a district addressed by its name: ``districts.online.sglang.
+    max_running_requests``, ``front.policy``, ``front.switch.online``), validated and checked as a file is;
+    ``config`` itself is frozen and stays as it was. The values go over the file's own keys, not over the
+    resolved config (``model_copy(update=)`` would also skip validation): what the front's kind and
+    orientation fill in is filled in again for the new values, as if the file said so. A bad override is a
+    ``ClusterOverrideError`` naming it."""
+    flat = flatten_overrides(overrides)
+    if not flat:
+        return config
+    data = copy.deepcopy(dict(written))
+    names = [d.name for d in config.districts]
+    front: dict[str, Any] = {}
+
+    def bad(key: str, problem: str) -> NoReturn:
+        raise ClusterOverrideError(label, source, key, problem) from None
+
+    for key, value in flat.items():
+        parts = key.split(".")
+        if parts[0] == "districts":
+            rest = key.removeprefix("districts.")
+            # A district's name may hold dots: the longest name the key starts with.
+            name = next((n for n in sorted(names, key=len, reverse=True) if rest.startswith(n + ".")), None)
+            if len(parts) < 3 or name is None:
+                asked = parts[1] if len(parts) > 1 else None
+                if asked in names:
+                    bad(key, f"name a key of district {asked!r}: {', '.join(DISTRICT_KEYS)}, sglang.SETTING")
+                missing = f"no district {asked!r} in this cluster; " if asked else ""
+                bad(key, f"{missing}address a district by its name, districts.NAME.KEY (its districts: "
+                    f"{', '.join(names)})")  # fmt: skip
+            district = data["districts"][names.index(name)]
+            field = rest.removeprefix(name + ".").split(".")
+            if field[0] == "sglang" and len(field) == 2:
+                district["sglang"] = {**(district.get("sglang") or {}), field[1]: value}
+            elif len(field) == 1 and field[0] in DISTRICT_KEYS:
+                district[field[0]] = value
+            else:
+                bad(key, f"not a key of a district (known: {', '.join(DISTRICT_KEYS)}, sglang.SETTING)")
+        elif parts[0] == "front" and len(parts) == 2 and parts[1] in FRONT_KEYS:
+            front[parts[1]] = value
+        elif parts[:2] == ["front", "switch"] and len(parts) == 3:  # one class's switch districts
+            switch = front.get("switch", (data.get("front") or {}).get("switch"))
+            front["switch"] = {**(switch if isinstance(switch, dict) else {}), parts[2]: value}
+        elif len(parts) == 1 and parts[0] in TOP_KEYS:
+            data[parts[0]] = value
+        else:
+            bad(key, f"not a key of a cluster file that can be overridden (known: {OVERRIDE_KEYS})")
+    if front:
+        if front.get("kind", config.front.kind) != config.front.kind:
+            data["front"] = front  # another kind of front: its own defaults, not the file's other kind's
+        else:
+            data["front"] = {**(data.get("front") or {}), **front}
+
+    def blame(loc: list[str]) -> str:
+        """The override behind a problem at ``loc`` (districts by name): the key at, under or above it;
+        else the first one (a changed front kind makes a district's serves wrong)."""
+        if loc[:1] == ["districts"] and len(loc) > 1 and loc[1].isdigit() and int(loc[1]) < len(names):
+            loc = ["districts", names[int(loc[1])], *loc[2:]]
+        at = ".".join(loc)
+        related = [k for k in flat if k == at or k.startswith(at + ".") or at.startswith(k + ".")]
+        return (related or list(flat))[0]
+
+    try:
+        new = ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        bad(blame([str(p) for p in err["loc"]]), describe(err))
+
+    def fail(loc: list[str], problem: str) -> NoReturn:
+        bad(blame(loc), problem)
+
+    _check_config(new, as_target, fail, {tuple(k.split(".")): 0 for k in flat})
+    return new
 
 
 def check_classes(

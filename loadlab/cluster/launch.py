@@ -181,8 +181,12 @@ class Cluster:
         front = self.config.front
         districts = [(d.name, [w["url"] for w in self.workers if w["district"] == d.name], d.serves)
                      for d in self.config.districts]  # fmt: skip
+        # The knobs as resolved from the file (its orientation's preset under its own keys; auto expanded).
         argv = omni_argv([w["url"] for w in self.workers], policy=front.policy, poll_interval_s=front.poll_interval_s,
-                         queue_size=front.queue_size, host=self.host, port=self.port, districts=districts)  # fmt: skip
+                         queue_size=front.queue_size, max_in_flight_per_worker=front.max_in_flight_per_worker,
+                         host=self.host, port=self.port, districts=districts,
+                         switch=self.config.switch_routes(), switch_after_waiting=front.switch_after_waiting,
+                         in_flight_fraction=front.in_flight_fraction)  # fmt: skip
         proc = ReadyLineProcess(argv, OMNI_READY_PREFIX, START_TIMEOUT_S, echo_prefix="[omni] ")
         try:
             # omni names the address it listens on (http://0.0.0.0:P with --host 0.0.0.0); the ready line says
@@ -192,7 +196,8 @@ class Cluster:
             raise ClusterStartError(f"the omni front did not start: {e}") from None
         finally:
             self.front_proc = proc.proc
-        log.info("loadlab cluster: omni front (%s) on %s", front.policy, self.front_url)
+        log.info("loadlab cluster: omni front (%s%s) on %s", front.policy,
+                 f", orientation {front.orientation}" if front.orientation else "", self.front_url)  # fmt: skip
 
     def dead_workers(self) -> list[ReadyLineProcess]:
         """The worker processes that have exited (a worker killed mid-run: the front serves with the rest)."""
@@ -233,10 +238,13 @@ def _exit_words(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
-def run_cluster(path: str | Path, host: str = "127.0.0.1", port: int = 0) -> int:
+def run_cluster(
+    path: str | Path, host: str = "127.0.0.1", port: int = 0, overrides: dict[str, Any] | None = None
+) -> int:
     """``loadlab cluster``: starts the cluster, prints the ready line, serves until SIGTERM or SIGINT.
-    Raises ClusterError for a bad file (before anything starts)."""
-    config = load_cluster(path)
+    ``overrides``: ``--set`` settings laid over the file (districts by name). Raises ClusterError for a bad
+    file or override (before anything starts)."""
+    config = load_cluster(path, overrides=overrides, source="--set ")
     cluster = Cluster(config, host, port)
     if config.front.kind == "none" and port:
         log.warning("loadlab cluster: --port %d: this cluster has no front (front.kind: none)", port)

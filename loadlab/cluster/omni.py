@@ -2,6 +2,7 @@
 
     python -m loadlab.cluster.omni --host 127.0.0.1 --port 0 --policy NAME --poll-interval-s S \\
         --queue-size N [--max-in-flight-per-worker K] [--class-header H] \\
+        [--switch CLASS=DISTRICT,... ... [--switch-after-waiting N]] \\
         (WORKER_URL... | --district NAME[:CLASS,...]=URL,URL... ...)
 
 prints ``loadlab-omni listening on http://HOST:PORT`` when it listens (``omni_process.READY_PREFIX``), logs
@@ -28,6 +29,9 @@ to stderr, and stops on SIGTERM or SIGINT (exit 0); a bad flag is one line and e
   class's own bounded queue (``SloClass``). A request without the header, or naming a class no district
   names, is class ``default``: the districts serving any class; with none, 400 ``unserved_class``.
   Positional WORKER_URLs are one district, ``default``, serving any class.
+- The switch: ``--switch CLASS=DISTRICT,...`` lets a class's overflow go to other districts: when no worker
+  of its own districts has room and more than ``--switch-after-waiting`` of its requests are in line, the
+  first in line goes to a worker of a switch district with room (``policies.next_in_line``; docs/omni.md).
 docs/cluster.md ("The omni front") is the user's description.
 """
 
@@ -63,10 +67,12 @@ from loadlab.cluster.policies import (
     PolicyParams,
     Snapshot,
     WorkerLoad,
-    choose,
     class_districts,
     class_of,
+    in_flight_limit,
+    next_in_line,
     prompt_prefix,
+    switch_problem,
 )
 from loadlab.cluster.signals import Signals, combine, parse_get_load, parse_metrics
 
@@ -111,6 +117,7 @@ class OmniConfig:
     poll_interval_s: float = 1.0
     queue_size: int = 100
     max_in_flight_per_worker: int | None = None
+    in_flight_fraction: float = 1.0  # without max_in_flight_per_worker: this much of max_running_requests
     host: str = "127.0.0.1"
     port: int = 0
     poll_timeout_s: float = 2.0
@@ -119,6 +126,9 @@ class OmniConfig:
     seed: int = 0
     districts: tuple[DistrictSpec, ...] = ()
     class_header: str = CLASS_HEADER
+    # The switch: (class, the districts its overflow may go to) each; see policies.next_in_line.
+    switch: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    switch_after_waiting: int = 0
 
     def district_specs(self) -> tuple[DistrictSpec, ...]:
         return self.districts or (DistrictSpec(DEFAULT_CLASS, tuple(self.workers)),)
@@ -151,13 +161,14 @@ class Worker:
         self.max_total_tokens: int | None = None
         self.info_read = False  # /server_info read since the worker last came up
         self.limit_flag: int | None = None  # --max-in-flight-per-worker
+        self.fraction = 1.0  # --in-flight-fraction
         self.signals = Signals()
         self.in_flight_at_poll = 0
         self.polled_at: float | None = None  # loop time of the last successful poll
 
     @property
     def limit(self) -> int | None:
-        return self.limit_flag if self.limit_flag is not None else self.max_running
+        return in_flight_limit(self.max_running, self.limit_flag, self.fraction)
 
     def load(self) -> WorkerLoad:
         s = self.signals
@@ -178,13 +189,18 @@ class Worker:
 
 @dataclass
 class SloClass:
-    """A class of requests: its own FIFO queue and bound, over its own pool of workers (its district)."""
+    """A class of requests: its own FIFO queue and bound, over its own pool of workers (its district), and
+    the workers of its switch districts (``spill``) its overflow may go to."""
 
     name: str
     queue_size: int
     workers: list[Worker]
     queue: deque[_Waiter] = field(default_factory=deque)
     cursor: int = 0  # round robin: the worker index after the last choice
+    spill: list[Worker] = field(default_factory=list)
+    spill_cursor: int = 0
+    switch_after: int = 0
+    switched: dict[str, int] = field(default_factory=dict)  # district -> requests diverted there
 
 
 @dataclass
@@ -231,6 +247,9 @@ class _Metrics:
                                     "district.", ["slo_class", "district"], registry=r)  # fmt: skip
         self.class_rejects = Counter("omni_class_rejects", "Requests of each class omni answered itself, by "
                                      "reason.", ["slo_class", "reason"], registry=r)  # fmt: skip
+        self.class_switched = Counter("omni_class_switched", "Requests of each class the switch diverted to a "
+                                      "worker of another district (its own districts full).",
+                                      ["slo_class", "district"], registry=r)  # fmt: skip
         for reason in ("queue_full", "no_healthy_worker", "worker_error", "unserved_class"):
             self.rejects.labels(reason)
         for cls in omni.classes.values():
@@ -240,6 +259,9 @@ class _Metrics:
                 self.class_rejects.labels(cls.name, reason)
             for d in dict.fromkeys(w.district for w in cls.workers):
                 self.class_routed.labels(cls.name, d)
+            for d in dict.fromkeys(w.district for w in cls.spill):
+                self.class_routed.labels(cls.name, d)
+                self.class_switched.labels(cls.name, d)
 
         class _State:
             def collect(self):
@@ -318,10 +340,16 @@ class Omni:
                         enumerate((d, url) for d in self.districts for url in d.workers)]  # fmt: skip
         for w in self.workers:
             w.limit_flag = config.max_in_flight_per_worker
+            w.fraction = config.in_flight_fraction
         self.class_header = config.class_header
         self._pools = class_districts([(d.name, d.serves) for d in self.districts])
         self.classes = {name: SloClass(name, config.queue_size, [w for w in self.workers if w.district in ds])
                         for name, ds in self._pools.items()}  # fmt: skip
+        for name, targets in config.switch:
+            c = self.classes[name]
+            c.spill = [w for w in self.workers if w.district in targets]
+            c.switch_after = config.switch_after_waiting
+            c.switched = dict.fromkeys(targets, 0)
         self.rng = random.Random(config.seed)
         self.needs_key = config.policy == "prefix"
         self.metrics = _Metrics(self)
@@ -462,14 +490,27 @@ class Omni:
                          slo_class=name or None)  # fmt: skip
         return self.classes[served_as]
 
-    def _pick(self, c: SloClass, key: bytes | None) -> Worker | None:
-        """The policy's choice among the class's workers with room, counted as in flight there."""
-        snap = Snapshot(tuple(w.load() for w in c.workers), key, c.cursor)
-        index = choose(self.config.policy, snap, self.rng, self.config.params)
-        if index is None:
+    def _pick(self, c: SloClass, key: bytes | None, in_line: int, switch: bool = True) -> Worker | None:
+        """Where the first of the class's ``in_line`` requests in line goes (``policies.next_in_line``: its
+        own districts' workers with room, else, by the switch rule, a switch district's), counted as in
+        flight there; None: it waits. ``switch`` False: its own districts only."""
+        own = Snapshot(tuple(w.load() for w in c.workers), key, c.cursor)
+        spill = (
+            Snapshot(tuple(w.load() for w in c.spill), key, c.spill_cursor) if switch and c.spill else None
+        )
+        got = next_in_line(
+            self.config.policy, own, spill, in_line, c.switch_after, self.rng, self.config.params
+        )
+        if got is None:
             return None
+        index, switched = got
         w = self.workers[index]
-        c.cursor = index + 1
+        if switched:
+            c.spill_cursor = index + 1
+            c.switched[w.district] += 1
+            self.metrics.class_switched.labels(c.name, w.district).inc()
+        else:
+            c.cursor = index + 1
         w.in_flight += 1
         w.routed += 1
         self.metrics.routed.labels(w.url).inc()
@@ -481,19 +522,27 @@ class Omni:
         self._pump()
 
     def _pump(self) -> None:
-        """Hands the heads of the queues to workers that have room, in order."""
+        """Hands the heads of the queues to workers that have room, in order: every class to its own
+        districts first, then the switch, so a diverted request only takes room no request of the
+        district's own classes is waiting for."""
         for c in self.classes.values():
-            q = c.queue
-            while q:
-                waiter = q[0]
-                if waiter.future.done():  # its client went away
-                    q.popleft()
-                    continue
-                w = self._pick(c, waiter.key)
-                if w is None:
-                    break
+            self._drain(c, switch=False)
+        for c in self.classes.values():
+            if c.spill:
+                self._drain(c, switch=True)
+
+    def _drain(self, c: SloClass, switch: bool) -> None:
+        q = c.queue
+        while q:
+            waiter = q[0]
+            if waiter.future.done():  # its client went away
                 q.popleft()
-                waiter.future.set_result(w)
+                continue
+            w = self._pick(c, waiter.key, len(q), switch)
+            if w is None:
+                break
+            q.popleft()
+            waiter.future.set_result(w)
 
     def _no_worker(self, c: SloClass) -> Reject:
         return _no_worker(c.workers, c.name)
@@ -506,25 +555,33 @@ class Omni:
 
     async def _acquire(self, c: SloClass, key: bytes | None, retry: bool = False) -> Worker:
         """A worker for one request, counted as in flight; it waits in the class's queue while no worker
-        has room. Raises Reject: 503 without a healthy worker, 429 when the queue is full. A retry (its
-        first worker could not be reached) goes to the head of the queue."""
-        if not any(w.up for w in c.workers):
+        has room (or, with a switch, goes to a switch district's worker by ``policies.next_in_line``'s rule).
+        Raises Reject: 503 without a healthy worker of its own districts, 429 when the queue is full. A
+        retry (its first worker could not be reached) goes to the head of the queue."""
+        if not any(w.up for w in c.workers):  # the switch diverts overflow; it is not a failover
             raise self._no_worker(c)
-        if not c.queue or retry:
-            w = self._pick(c, key)
+        first = not c.queue or retry  # first in line: it may take room now (else FIFO: room is the head's)
+        if first:
+            w = self._pick(c, key, len(c.queue) + 1)
             if w is not None:
                 return w
-        if len(c.queue) >= c.queue_size and not retry:
-            n = len(c.queue)
-            raise Reject(429, "queue_full", f"omni: class {c.name!r}: the queue is full ({n} waiting, "
-                         f"--queue-size {c.queue_size}; every healthy worker of its districts at its in-flight "
-                         f"limit)", waiting=n, slo_class=c.name)  # fmt: skip
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop.create_future(), key, loop.time())
         if retry:
             c.queue.appendleft(waiter)
         else:
             c.queue.append(waiter)
+        if not first and c.spill:
+            # The line grew by one: by the switch rule its head (the longest waiting, not this arrival) may
+            # now go to a switch district, so the class keeps its order.
+            self._drain(c, switch=True)
+        if len(c.queue) > c.queue_size and not retry:
+            c.queue.remove(waiter)
+            n = len(c.queue)
+            raise Reject(429, "queue_full", f"omni: class {c.name!r}: the queue is full ({n} waiting, "
+                         f"--queue-size {c.queue_size}; every healthy worker of its districts at its in-flight "
+                         f"limit{', and of its switch districts' if c.spill else ''})", waiting=n,
+                         slo_class=c.name)  # fmt: skip
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -686,8 +743,16 @@ class Omni:
         classes = {c.name: sorted({w.district for w in c.workers}) for c in self.classes.values()}
         districts = [{"name": d.name, "serves": None if d.serves is None else list(d.serves),
                       "workers": list(d.workers)} for d in self.districts]  # fmt: skip
-        return web.json_response({"policy": self.config.policy, "workers": out, "queues": queues,
-                                  "districts": districts, "classes": classes})  # fmt: skip
+        # Each class with a switch: where its overflow may go, the rule's threshold, what it diverted so far.
+        switch = {c.name: {"to": list(c.switched), "after_waiting": c.switch_after, "switched": dict(c.switched)}
+                  for c in self.classes.values() if c.spill}  # fmt: skip
+        cfg = self.config
+        settings = {"policy": cfg.policy, "poll_interval_s": cfg.poll_interval_s, "queue_size": cfg.queue_size,
+                    "max_in_flight_per_worker": cfg.max_in_flight_per_worker,
+                    "in_flight_fraction": cfg.in_flight_fraction,
+                    "switch_after_waiting": cfg.switch_after_waiting}  # fmt: skip
+        return web.json_response({"policy": cfg.policy, "settings": settings, "workers": out, "queues": queues,
+                                  "districts": districts, "classes": classes, "switch": switch})  # fmt: skip
 
 
 def _no_worker(workers: Sequence[Worker], cls: str | None = None) -> Reject:
@@ -737,6 +802,22 @@ def _district(text: str) -> DistrictSpec:
     return DistrictSpec(name, tuple(_worker_url(u.strip()) for u in urls.split(",")), serves)
 
 
+def _switch(text: str) -> tuple[str, tuple[str, ...]]:
+    """``CLASS=DISTRICT,...``: a class and the districts its overflow may go to."""
+    cls, eq, targets = text.partition("=")
+    names = tuple(d.strip() for d in targets.split(",")) if targets else ()
+    if not eq or not _CLASS_NAME.fullmatch(cls) or not names or not all(map(_DISTRICT_NAME.fullmatch, names)):
+        raise argparse.ArgumentTypeError(f"expected CLASS=DISTRICT,..., got {text!r}")
+    return cls, names
+
+
+def _fraction(text: str) -> float:
+    value = positive(float)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     port = non_negative(int)(text)
     if port > 65535:
@@ -761,6 +842,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--max-in-flight-per-worker", type=positive(int), default=None, metavar="K",
                    help="most requests omni keeps in flight at one worker (default: the worker's "
                    "max_running_requests from /server_info; none if it reports none)")  # fmt: skip
+    p.add_argument("--in-flight-fraction", type=_fraction, default=1.0, metavar="F",
+                   help="without --max-in-flight-per-worker: omni's limit per worker is F times its "
+                   "max_running_requests, rounded down (the batch window it lets a worker fill) "
+                   "(default: %(default)s)")  # fmt: skip
     p.add_argument("--prefix-len", type=positive(int), default=256,
                    help="prefix policy: token ids or characters of the prompt that make the key "
                    "(default: %(default)s)")  # fmt: skip
@@ -780,6 +865,14 @@ def build_parser() -> OneLineParser:
                    metavar="NAME[:CLASS,...]=URL,...",
                    help="a district: its workers, and the SLO classes it serves (none named: any class); "
                    "repeat for each district, instead of WORKER_URLs")  # fmt: skip
+    p.add_argument("--switch", action="append", type=_switch, default=[], dest="switch",
+                   metavar="CLASS=DISTRICT,...",
+                   help="the switch: when every worker of CLASS's own districts is at its in-flight limit (and "
+                   "more than --switch-after-waiting of its requests are in line), its next request goes to "
+                   "a worker of these districts with room; repeat per class (docs/omni.md)")  # fmt: skip
+    p.add_argument("--switch-after-waiting", type=non_negative(int), default=0, metavar="N",
+                   help="the switch diverts only while more than N of the class's requests are in line at omni "
+                   "(0: as soon as its districts are full) (default: %(default)s)")  # fmt: skip
     p.add_argument("--class-header", default=CLASS_HEADER, type=str.lower,
                    help="the request header naming a request's SLO class (default: %(default)s)")  # fmt: skip
     p.add_argument("workers", nargs="*", type=_worker_url, metavar="WORKER_URL",
@@ -802,6 +895,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     dup = next((u for u in urls if urls.count(u) > 1), None)
     if dup:
         p.error(f"worker {dup} is given twice")
+    specs = tuple(args.districts) or (DistrictSpec(DEFAULT_CLASS, tuple(args.workers)),)
+    pools = class_districts([(d.name, d.serves) for d in specs])
+    classes = [c for c, _ in args.switch]
+    dup = next((c for c in classes if classes.count(c) > 1), None)
+    if dup:
+        p.error(f"--switch {dup}: given twice")
+    for cls, targets in args.switch:
+        problem = switch_problem(pools, [d.name for d in specs], cls, list(targets))
+        if problem:
+            p.error(f"--switch {cls}={','.join(targets)}: {problem}")
+    if args.switch and args.switch_after_waiting > args.queue_size:
+        p.error(f"--switch-after-waiting {args.switch_after_waiting} exceeds --queue-size {args.queue_size}: "
+                "the queue would answer 429 before the switch ever diverts")  # fmt: skip
     return args
 
 
@@ -811,10 +917,13 @@ def config_from_args(args: argparse.Namespace) -> OmniConfig:
         workers=tuple(u for d in districts for u in d.workers) or tuple(args.workers),
         districts=districts,
         class_header=args.class_header,
+        switch=tuple(args.switch),
+        switch_after_waiting=args.switch_after_waiting,
         policy=args.policy,
         poll_interval_s=args.poll_interval_s,
         queue_size=args.queue_size,
         max_in_flight_per_worker=args.max_in_flight_per_worker,
+        in_flight_fraction=args.in_flight_fraction,
         host=args.host,
         port=args.port,
         poll_timeout_s=args.poll_timeout_s,
@@ -843,8 +952,10 @@ async def serve(config: OmniConfig) -> None:
                  config.policy, len(omni.workers), up, config.poll_interval_s, config.queue_size,
                  config.max_in_flight_per_worker or "max_running_requests")  # fmt: skip
         for c in omni.classes.values():
-            log.info("omni: class %s -> districts %s (%d workers)", c.name,
-                     ", ".join(dict.fromkeys(w.district for w in c.workers)), len(c.workers))  # fmt: skip
+            log.info("omni: class %s -> districts %s (%d workers)%s", c.name,
+                     ", ".join(dict.fromkeys(w.district for w in c.workers)), len(c.workers),
+                     f"; switch to {', '.join(c.switched)} with more than {c.switch_after} in line" if c.spill
+                     else "")  # fmt: skip
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

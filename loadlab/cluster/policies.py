@@ -12,6 +12,7 @@ policy and the estimates.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -222,6 +223,91 @@ def choose(policy: str, snap: Snapshot, rng: random.Random, params: PolicyParams
     return POLICIES[policy](snap, cands, rng, params or PolicyParams())
 
 
+def in_flight_limit(max_running: int | None, fixed: int | None = None, fraction: float = 1.0) -> int | None:
+    """omni's limit on its requests in flight at one worker: ``fixed`` (``--max-in-flight-per-worker``) when
+    given, else ``fraction`` of the worker's ``max_running_requests`` (rounded down, at least 1: the batch
+    window omni lets it fill), else no limit (a worker that reports none)."""
+    if fixed is not None:
+        return fixed
+    if max_running is None:
+        return None
+    return max(1, math.floor(max_running * fraction + 1e-9))
+
+
+# -- the switch -------------------------------------------------------------------------------------------
+SWITCH_AUTO = "auto"  # every class may divert to every district that does not already serve it
+
+
+def switch_problem(
+    pools: dict[str, list[str]], districts: Sequence[str], cls: str, targets: Sequence[str]
+) -> str | None:
+    """What is wrong with switching class ``cls`` to the districts ``targets`` (None: nothing), given the
+    classes' own districts (``class_districts``) and every district's name. No cycle check is needed: a
+    diverted request keeps its class and is never diverted again (one hop), so online -> offline and
+    offline -> online may both be set."""
+    if cls not in pools:
+        named = ", ".join(pools) or "none"
+        return f"no district serves class {cls!r}, so it has nothing to switch from (classes: {named})"
+    if not targets:
+        return "expected at least one district to switch to"
+    for d in targets:
+        if d not in districts:
+            return f"no district {d!r} (districts: {', '.join(districts)})"
+        if targets.count(d) > 1:
+            return f"district {d!r} is named twice"
+        if d in pools[cls]:
+            return f"district {d!r} already serves class {cls!r}: a switch diverts to districts that do not"
+    return None
+
+
+def switch_routes(
+    pools: dict[str, list[str]], districts: Sequence[str], switch: str | dict[str, Sequence[str]] | None
+) -> dict[str, list[str]]:
+    """Each class's switch districts, from a switch setting: None (no switch), ``auto`` (every district not
+    serving the class; classes served everywhere get none) or {class: [district, ...]} (checked with
+    ``switch_problem``; ValueError naming the class). Districts in ``districts`` order."""
+    if switch is None:
+        return {}
+    if switch == SWITCH_AUTO:
+        out = {c: [d for d in districts if d not in own] for c, own in pools.items()}
+        return {c: ds for c, ds in out.items() if ds}
+    if isinstance(switch, str):
+        raise ValueError(f"expected {SWITCH_AUTO!r} or a mapping of class to districts, got {switch!r}")
+    for cls, targets in switch.items():
+        problem = switch_problem(pools, districts, cls, list(targets))
+        if problem:
+            raise ValueError(f"{cls}: {problem}")
+    return {c: [d for d in districts if d in targets] for c, targets in switch.items()}
+
+
+def next_in_line(
+    policy: str,
+    own: Snapshot,
+    spill: Snapshot | None,
+    in_line: int,
+    switch_after_waiting: int,
+    rng: random.Random,
+    params: PolicyParams | None = None,
+) -> tuple[int, bool] | None:
+    """Where the first request in a class's line goes (the real front and the virtual one both ask this):
+    (worker index, diverted?), or None when it must wait.
+
+    The switch rule, from the front's own state only: the class's own districts (``own``) come first; when
+    none of their workers has room (every one at its in-flight limit, or down) and more than
+    ``switch_after_waiting`` of the class's requests are in line (``in_line``: those waiting in its queue,
+    counting a new arrival), the request goes to a worker of a switch district (``spill``: None when the
+    class has none, or when this decision may not divert) that has room. Room is the same limit as the
+    district's own requests meet, and a district's own waiting requests take its room first (the caller
+    drains every class's own districts before any switch)."""
+    index = choose(policy, own, rng, params)
+    if index is not None:
+        return index, False
+    if spill is None or in_line <= switch_after_waiting:
+        return None
+    index = choose(policy, spill, rng, params)
+    return None if index is None else (index, True)
+
+
 # -- the prefix key ---------------------------------------------------------------------------------------
 def prompt_prefix(path: str, body: object, length: int) -> bytes | None:
     """The prefix key of a request body (parsed JSON): the first ``length`` token ids of ``input_ids`` (or a
@@ -265,12 +351,17 @@ def _chat_key(messages: object, length: int) -> bytes | None:
 
 __all__ = [
     "POLICIES",
+    "SWITCH_AUTO",
     "PolicyParams",
     "Snapshot",
     "WorkerLoad",
     "affinity_worker",
     "choose",
     "far_busier",
+    "in_flight_limit",
+    "next_in_line",
     "prefix_score",
     "prompt_prefix",
+    "switch_problem",
+    "switch_routes",
 ]

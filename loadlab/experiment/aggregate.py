@@ -3,7 +3,9 @@
 configuration, plain-language findings, and the refine step's values around the knee.
 
 Rows are plain dicts (``config``, ``repeats``, ``values``: column -> median/min/max, ``failed``,
-``client_bound``, ``error_bound_ms``, ``refined``, ``error``); they are written into sweep.json as they are.
+``client_bound``, ``error_bound_ms``, ``refined``, ``error``, ``classes``: each SLO class's objectives and
+verdict); they are written into sweep.json as they are. With classes, a configuration meets the SLO only
+when every class meets its own (and the run as a whole the sweep's).
 """
 
 from __future__ import annotations
@@ -85,10 +87,64 @@ def aggregate(
         row["over_capacity"] = sum(bool((s.get("overload") or {}).get("over_capacity")) for s in summaries)
         row["refined"] = config not in coarse
         row["error"] = (failed or {}).get(str(k))
+        row["classes"] = class_rows(summaries)
         rows.append(row)
     if any(row["refined"] for row in rows):  # one numeric axis: refined values go between the coarse ones
         rows.sort(key=lambda row: next(iter(row["config"].values())))
     return {"rows": rows, **choose(rows, spec.slo)}
+
+
+METRIC_NAMES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_latency_ms": "E2E"}
+
+
+def _spread(values: list[float]) -> dict[str, float | None]:
+    return {"median": statistics.median(values) if values else None, "min": min(values, default=None),
+            "max": max(values, default=None)}  # fmt: skip
+
+
+def class_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each SLO class of the repeats' summaries (``classes[]``, in the first one's order): per objective of
+    its SLO the median and range of its value over the repeats and the threshold, its output tokens/s and
+    TTFT P95, its failed requests, how many runs' own verdicts passed, and ``pass``: every objective's
+    median within its threshold (the rule the sweep applies to the run as a whole), None without an SLO."""
+    names: list[str] = []
+    by_name: dict[str, list[dict]] = {}
+    for s in summaries:
+        for c in s.get("classes") or []:
+            if c["name"] not in by_name:
+                names.append(c["name"])
+            by_name.setdefault(c["name"], []).append(c)
+    out = []
+    for name in names:
+        runs = by_name[name]
+        objectives: dict[str, dict[str, Any]] = {}
+        for c in runs:
+            for o in c["slo"]["objectives"]:
+                entry = objectives.setdefault(o["key"], {
+                    "key": o["key"], "label": f"{METRIC_NAMES.get(o['metric'], o['metric'])} P{o['percentile']:g}",
+                    "threshold_ms": o["threshold_ms"], "values": []})  # fmt: skip
+                if o["value_ms"] is not None:
+                    entry["values"].append(o["value_ms"])
+        listed = []
+        for entry in objectives.values():
+            values = entry.pop("values")
+            # A repeat without samples has no value: the median is of those that had one, and a class
+            # with none at all fails (as an objective without samples fails in a run's own verdict).
+            entry.update(_spread(values))
+            entry["pass"] = entry["median"] is not None and entry["median"] <= entry["threshold_ms"]
+            listed.append(entry)
+        verdicts = [c["slo"]["pass"] for c in runs if c["slo"]["pass"] is not None]
+        out.append({
+            "name": name,
+            "objectives": listed,
+            "output tok/s": _spread([c["output_throughput"] for c in runs if c.get("output_throughput") is not None]),
+            "TTFT P95 ms": _spread([c["p95_ttft_ms"] for c in runs if c.get("p95_ttft_ms") is not None]),
+            "failed": sum(int(c.get("failed") or 0) for c in runs),
+            "runs_passed": sum(bool(v) for v in verdicts),
+            "runs": len(runs),
+            "pass": all(o["pass"] for o in listed) if listed else None,
+        })  # fmt: skip
+    return out
 
 
 def refine_configs(
@@ -175,7 +231,9 @@ def _highest_throughput(rows: list[dict]) -> tuple[dict | None, str | None]:
 def choose(rows: list[dict], slo: Mapping[str, Any] | None) -> dict[str, Any]:
     """The knee along the sweep's order and the SLO-first choice, with reasons and findings."""
     done = [r for r in rows if r["repeats"]]
-    k = knee_index(done)
+    # A knee needs an order of quantities; an axis of choices (cluster files, policies) has none.
+    choice_axis = next((a for r in done for a, v in r["config"].items() if not is_number(v)), None)
+    k = knee_index(done) if choice_axis is None else None
     knee = label(done[k]["config"]) if k is not None else None
     slo = dict(slo or {})
     limits = {"TTFT P95 ms": slo.get("ttft_p95_ms"), "TPOT P95 ms": slo.get("tpot_p95_ms")}
@@ -192,8 +250,17 @@ def choose(rows: list[dict], slo: Mapping[str, Any] | None) -> dict[str, Any]:
             if limit is not None and (value is None or value > limit):
                 reasons.append(f"{column.replace(' ms', '')} {value:.0f} ms > {limit:g} ms" if value is not None
                                else f"no {column}")  # fmt: skip
+        # Every class must meet its own SLO (a class's slo, else the profile's: the sweep's slo: too).
+        for c in r.get("classes") or []:
+            for o in c["objectives"]:
+                if not o["pass"]:
+                    reasons.append(f"class {c['name']}: {o['label']} {o['median']:.0f} ms > {o['threshold_ms']:g} ms"
+                                   if o["median"] is not None else f"class {c['name']}: no {o['label']}")  # fmt: skip
         if r["failed"]:
-            reasons.append(f"{r['failed']} failed requests")
+            by_class = [f"{c['name']} {c['failed']}" for c in r.get("classes") or [] if c["failed"]]
+            reasons.append(
+                f"{r['failed']} failed requests" + (f" ({', '.join(by_class)})" if by_class else "")
+            )
         (rejected if reasons else passing).append((r, reasons))
     choice, choice_note = _highest_throughput([r for r, _ in passing])
     findings = []
@@ -239,6 +306,7 @@ def choose(rows: list[dict], slo: Mapping[str, Any] | None) -> dict[str, Any]:
         )
     return {
         "knee": knee,
+        "knee_note": f"{choice_axis} is a choice, not a quantity: no knee along it" if choice_axis else None,
         "choice": label(choice["config"]) if choice else None,
         "choice_note": choice_note,
         "slo": slo,

@@ -30,20 +30,42 @@ def render_md(spec: SweepSpec, result: dict[str, Any], complete: bool) -> str:
     for row in result["rows"]:
         cells = [str(row["config"][a]) for a in axis_names]
         for column, _, _, digits in COLUMNS:
-            v = row["values"][column]
-            if v["median"] is None:
-                cells.append("n/a")
-            elif v["min"] == v["max"]:
-                cells.append(f"{v['median']:.{digits}f}")
-            else:
-                cells.append(f"{v['median']:.{digits}f} [{v['min']:.{digits}f}-{v['max']:.{digits}f}]")
+            cells.append(_cell(row["values"][column], digits))
         lines.append("| " + " | ".join(cells) + " |")
+    classes = class_columns(result["rows"])
+    if classes:
+        lines += ["", "Each SLO class on its own (medians of the repeats; a class passes when each objective's "
+                  "median is within its SLO, as the choice requires of every class):", ""]  # fmt: skip
+        header = list(axis_names)
+        for name, objectives in classes.items():
+            header += [f"{name} {o['label']} ms (SLO {o['threshold_ms']:g})" for o in objectives] or [
+                f"{name} TTFT P95 ms"
+            ]
+            header += [f"{name} output tok/s", name]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+        for row in result["rows"]:
+            cells = [str(row["config"][a]) for a in axis_names]
+            mine = {c["name"]: c for c in row.get("classes") or []}
+            for name, objectives in classes.items():
+                c = mine.get(name)
+                if c is None:
+                    cells += ["n/a"] * (max(len(objectives), 1) + 2)
+                    continue
+                by_key = {o["key"]: o for o in c["objectives"]}
+                if objectives:
+                    cells += [_cell(by_key[o["key"]], 0) if o["key"] in by_key else "n/a" for o in objectives]
+                else:
+                    cells.append(_cell(c["TTFT P95 ms"], 0))
+                cells += [_cell(c["output tok/s"], 0), _verdict(c)]
+            lines.append("| " + " | ".join(cells) + " |")
     slo = result.get("slo") or {}
-    lines += [
-        "",
-        f"- Knee (the next configuration adds < {KNEE_GAIN:.0%} throughput): {result['knee'] or 'n/a'}",
-    ]
+    knee = result["knee"] or (f"n/a ({result['knee_note']})" if result.get("knee_note") else "n/a")
+    lines += ["", f"- Knee (the next configuration adds < {KNEE_GAIN:.0%} throughput): {knee}"]
     slo_text = ", ".join(f"{k} < {v:g}" for k, v in slo.items()) or "none"
+    if classes:
+        own = "; ".join(f"{name} " + (", ".join(f"{o['label']} < {o['threshold_ms']:g} ms" for o in objectives)
+                                      or "no SLO") for name, objectives in classes.items())  # fmt: skip
+        slo_text = (f"{slo_text} and " if slo else "") + f"every class its own SLO: {own}"
     lines.append(
         f"- SLO-first choice (highest throughput meeting {slo_text}): {result['choice'] or 'none meets it'}"
     )
@@ -61,9 +83,39 @@ def render_md(spec: SweepSpec, result: dict[str, Any], complete: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(v: dict[str, Any], digits: int) -> str:
+    """A median with the repeats' range in brackets when they differ."""
+    if v["median"] is None:
+        return "n/a"
+    if v["min"] == v["max"]:
+        return f"{v['median']:.{digits}f}"
+    return f"{v['median']:.{digits}f} [{v['min']:.{digits}f}-{v['max']:.{digits}f}]"
+
+
+def _verdict(c: dict[str, Any]) -> str:
+    """A class's verdict in a configuration; where its runs' own verdicts differ, how many passed."""
+    text = {True: "pass", False: "**FAIL**", None: "no SLO"}[c["pass"]]
+    if c["pass"] is not None and c["runs"] > 1 and c["runs_passed"] not in (0, c["runs"]):
+        text += f" ({c['runs_passed']} of {c['runs']} runs passed)"
+    if c["failed"]:
+        text += f", {c['failed']} failed"
+    return text
+
+
+def class_columns(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Every class of the rows, in order of appearance, with the objectives of its SLO (the first row's
+    that has it: a sweep does not vary a class's SLO)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        for c in row.get("classes") or []:
+            out.setdefault(c["name"], c["objectives"])
+    return out
+
+
 def render_html(spec: SweepSpec, result: dict[str, Any]) -> str:
     """The sweep's curves along its configurations: throughput, TTFT P95 and TPOT P95 (medians, with the
-    repeats' range), the SLO lines and the knee marked; plus the table of sweep.md."""
+    repeats' range), the SLO lines and the knee marked, with classes each class's key figure against its
+    SLO; plus the tables of sweep.md."""
     # Heavy, loaded only when a page is drawn: matplotlib, and loadlab.analysis.html (numpy, pandas).
     import matplotlib
 
@@ -83,8 +135,9 @@ def render_html(spec: SweepSpec, result: dict[str, Any]) -> str:
     log_x = len(axis_names) == 1 and bool(rows) and all(is_number(v) and v > 0 for v in values)
     x = values if log_x else list(range(len(rows)))
     slo = result.get("slo") or {}
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
-    for ax, column, limit in zip(axes, ("output tok/s", "TTFT P95 ms", "TPOT P95 ms"),
+    classes = class_columns(rows)
+    fig, axes = plt.subplots(1, 4 if classes else 3, figsize=(21 if classes else 16, 4))
+    for ax, column, limit in zip(axes[:3], ("output tok/s", "TTFT P95 ms", "TPOT P95 ms"),
                                  (None, slo.get("ttft_p95_ms"), slo.get("tpot_p95_ms")), strict=True):  # fmt: skip
         med = [r["values"][column]["median"] for r in rows]
         lo = [r["values"][column]["min"] for r in rows]
@@ -99,9 +152,13 @@ def render_html(spec: SweepSpec, result: dict[str, Any]) -> str:
         if result.get("choice") in labels and med[labels.index(result["choice"])] is not None:
             i = labels.index(result["choice"])
             ax.plot([x[i]], [med[i]], marker="*", ms=16, color="green", ls="none", label="SLO-first choice")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # no SLO, knee or choice to mark: no empty legend
+            ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)  # small differences stay small
         ax.set_title(column)
+    if classes:
+        _class_panel(axes[3], rows, classes, x)
+    for ax in axes:
         if log_x:
             ax.set_xscale("log")
             ax.minorticks_off()
@@ -119,3 +176,22 @@ def render_html(spec: SweepSpec, result: dict[str, Any]) -> str:
             f"</head><body><h1>{title}</h1>"
             f"<img alt='sweep curves' style='max-width:100%' src='data:image/png;base64,{image}'>"
             f"<pre>{table}</pre></body></html>\n")  # fmt: skip
+
+
+def _class_panel(ax, rows: list[dict[str, Any]], classes: dict[str, list[dict[str, Any]]], x: list) -> None:
+    """Each class's first objective (its key figure) as a fraction of its SLO: above the line at 1 it
+    fails. One panel for all classes, whatever their thresholds (1.5 s and 30 s side by side)."""
+    for name, objectives in classes.items():
+        if not objectives:
+            continue
+        key, threshold = objectives[0]["key"], objectives[0]["threshold_ms"]
+        ratios = []
+        for row in rows:
+            c = next((c for c in row.get("classes") or [] if c["name"] == name), None)
+            o = next((o for o in (c or {}).get("objectives", []) if o["key"] == key), None)
+            ratios.append(o["median"] / threshold if o and o["median"] is not None else float("nan"))
+        ax.plot(x, ratios, marker="s", label=f"{name} {objectives[0]['label']} / {threshold:g} ms")
+    ax.axhline(1, color="red", ls="--", lw=1, label="SLO")
+    ax.set_ylim(bottom=0)
+    ax.set_title("each class: key figure / its SLO")
+    ax.legend(fontsize=8)

@@ -3,7 +3,9 @@
 For every configuration (the product of the axes): start the server from the launch template if a server
 argument varies (argv, never a shell string; the same shape for `loadlab sim` and
 `python -m sglang.launch_server`), wait until it answers, run the profile R times (the first repeat with
-the profile's warm-up, the others on the warm server without), stop the server. Progress is printed
+the profile's warm-up, the others on the warm server without), stop the server. Without a launch
+template, a run whose profile targets the embedded twin or a cluster (`target.cluster`; cluster axes lay
+settings over it) starts its own, fresh, and warms it up: every repeat. Progress is printed
 (configuration k of n, repeat r, ETA). State is kept in `sweep.json` (`SweepState`) after every run, so an
 interrupted sweep keeps its finished runs and `loadlab sweep` on the same directory resumes where it
 stopped. At the end the runs are aggregated (`aggregate.py`) and written to `sweep.md` / `sweep.html`
@@ -26,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from loadlab import exits
 from loadlab.experiment.aggregate import aggregate, refine_configs
 from loadlab.experiment.render import render_html, render_md
-from loadlab.experiment.spec import SweepError, SweepSpec, label
+from loadlab.experiment.spec import SweepError, SweepSpec, label, run_sets
 from loadlab.procs import free_port
 from loadlab.target.launch import LaunchedServer
 from loadlab.target.probe import TargetError
@@ -205,8 +207,9 @@ class Sweep:
                         )
                     print(f"{where}, repeat {r + 1}/{repeats}{eta}", file=sys.stderr, flush=True)
                     # The first run on a fresh server warms it up (also when a resumed sweep starts a
-                    # configuration at a later repeat); the next ones find it warm.
-                    warm_up = r == todo[0]
+                    # configuration at a later repeat); the next ones find it warm. A run that starts
+                    # its own target (the embedded twin, a cluster) has a fresh one every time.
+                    warm_up = r == todo[0] or spec.fresh_target
                     run_dir = _one_run(spec, self.out, k, r, config, url, self.extra, warm_up)
                     if server is not None and server.proc.poll() is not None:  # it measured a dying server
                         raise TargetError(f"the server exited with status {server.proc.returncode} during "
@@ -253,11 +256,8 @@ def _one_run(
     ]
     if url:
         cmd += ["--host", url]
-    for item in spec.overrides:
+    for item in run_sets(spec, config):  # set:, then the client and cluster axes, as the profile's keys
         cmd += ["--set", item]
-    for axis, value in config.items():
-        if "." in axis:
-            cmd += ["--set", f"{axis}={value}"]
     for key, value in spec.slo.items():
         cmd += ["--set", f"slo.{key}={value}"]
     if not warm_up:

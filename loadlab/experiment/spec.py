@@ -7,17 +7,32 @@ server starts: the base profile and every configuration's overrides are loaded h
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from loadlab.profile import NonNegativeInt, PositiveInt, ProfileError, load_profile, parse_set_option
+from loadlab.cluster.config import ClusterOverrideError, check_classes, load_target_cluster
+from loadlab.profile import (
+    CLUSTER_OVERRIDES,
+    EMBEDDED,
+    NonNegativeInt,
+    PositiveInt,
+    Profile,
+    ProfileError,
+    load_profile,
+    parse_set_option,
+)
+from loadlab.yamlconfig import ConfigError
 
 DEFAULT_URL = "http://127.0.0.1:{port}"
 DEFAULT_READY_TIMEOUT_S = 600.0
 KEYS = ("name", "profile", "axes", "repeats", "launch", "url", "ready_timeout_s", "set", "slo", "refine")
+# A sweep key `cluster.K` sets K of the profile's cluster file (target.cluster_overrides.K): a district by
+# its name (cluster.districts.online.sglang.max_running_requests), the front (cluster.front.policy).
+CLUSTER_PREFIX = "cluster."
 KEY_OF = {"overrides": "set"}  # a SweepSpec field -> its key in the sweep file, for error messages
 
 
@@ -57,6 +72,11 @@ class SweepSpec(BaseModel):
         default_factory=dict, description="the SLO of the choice (default: the base profile's)"
     )
     warmup: NonNegativeInt = Field(0, description="the base profile's warm-up requests (the first repeat's)")
+    fresh_target: bool = Field(
+        False,
+        description="every run starts its own target (no launch:, the profile's embedded twin or "
+        "target.cluster), so every repeat warms it up",
+    )
     refine: NonNegativeInt = Field(
         0, description="values added on each side of the knee after the coarse sweep"
     )
@@ -128,13 +148,26 @@ def load_sweep(path: str | Path) -> SweepSpec:
     if not base.exists() and Path(data["profile"]).exists():
         base = Path(data["profile"])
     profile = load_profile(base)  # a bad base profile fails here, with its own file:line message
-    # Every configuration's overrides (set: and the client axes) checked now, not after a server started.
     sets = dict(parse_set_option(str(item)) for item in data.get("set") or [])
+    cluster_keys = [(where, k) for where, keys in (("set", sets), ("axes", axes)) for k in keys
+                    if k == "target.cluster" or cluster_key(k) is not None]  # fmt: skip
+    if cluster_keys and launch is not None:
+        where, key = cluster_keys[0]
+        raise SweepError(f"{path}: {where}: {key}: the runs aim at the launched server (launch:), not at the "
+                         "profile's cluster; drop launch: (each run starts its cluster)")  # fmt: skip
+    # Every configuration's overrides (set: and the client and cluster axes) checked now, not after a
+    # server started: the profile, and the cluster each run would start with what is laid over it.
+    fresh = launch is None
     for config in configurations({a: v for a, v in axes.items() if "." in a}):
+        given = {**sets, **config}
         try:
-            load_profile(base, {**sets, **config})
+            run_profile = load_profile(base, profile_overrides(given, base.parent))
         except ProfileError as e:
-            raise SweepError(f"{path}: set/axes {label({**sets, **config})}: {e}") from None
+            if not _has_cluster(base, {k: v for k, v in given.items() if cluster_key(k) is None}):
+                _check_cluster(path, base, None, sets, config)  # a cluster axis without a cluster: says so
+            raise SweepError(f"{path}: set/axes {label(given)}: {e}") from None
+        fresh = fresh and run_profile.target.url == EMBEDDED
+        _check_cluster(path, base, run_profile, sets, config)
     try:
         return SweepSpec(
             name=str(data.get("name") or path.stem),
@@ -148,12 +181,109 @@ def load_sweep(path: str | Path) -> SweepSpec:
             overrides=[str(s) for s in data.get("set") or []],
             slo=data.get("slo") or profile.slo.model_dump(exclude_none=True),
             warmup=profile.requests.warmup,
+            fresh_target=fresh,
             refine=refine,
         )
     except ValidationError as e:  # what the checks above let through (e.g. slo: not a mapping)
         err = e.errors()[0]
         key = ".".join(str(p) for p in err["loc"])
         raise SweepError(f"{path}: {KEY_OF.get(key, key)}: {err['msg']}") from None
+
+
+def cluster_key(key: str) -> str | None:
+    """The setting of the cluster file that a sweep key sets (``cluster.K``, or the profile's own spelling
+    ``target.cluster_overrides.K``: K, a district by its name), or None."""
+    for prefix in (CLUSTER_PREFIX, CLUSTER_OVERRIDES + "."):
+        if key.startswith(prefix):
+            return key.removeprefix(prefix)
+    return None
+
+
+def profile_key(key: str) -> str:
+    """A sweep key as the profile's: ``cluster.K`` is ``target.cluster_overrides.K``."""
+    found = cluster_key(key)
+    return f"{CLUSTER_OVERRIDES}.{found}" if found is not None else key
+
+
+def profile_value(key: str, value: Any, profile_dir: Path) -> Any:
+    """A value as the profile would read it: a relative ``target.cluster`` is relative to the base profile,
+    as the profile's own is (``--set`` alone would take it relative to the working directory)."""
+    if key == "target.cluster" and isinstance(value, str) and value and not Path(value).is_absolute():
+        return os.path.abspath(profile_dir / value)
+    return value
+
+
+def profile_overrides(given: dict[str, Any], profile_dir: Path) -> dict[str, Any]:
+    """The sweep's keys and values (``set:`` and a configuration's dotted axes) as profile overrides."""
+    return {profile_key(k): profile_value(k, v, profile_dir) for k, v in given.items()}
+
+
+def run_sets(spec: SweepSpec, config: dict[str, Any]) -> list[str]:
+    """A run's ``--set`` items for configuration ``config``: the sweep's ``set:``, then its dotted axes, in
+    the profile's keys (a ``set:`` item keeps its value as written)."""
+    profile_dir = Path(spec.profile).parent
+    items = []
+    for item in spec.overrides:
+        key, value = parse_set_option(item)
+        raw = item.partition("=")[2]
+        if key == "target.cluster":
+            raw = str(profile_value(key, value, profile_dir))
+        items.append(f"{profile_key(key)}={raw}")
+    for axis, value in config.items():
+        if "." in axis:
+            items.append(f"{profile_key(axis)}={profile_value(axis, value, profile_dir)}")
+    return items
+
+
+def _has_cluster(base: Path, given: dict[str, Any]) -> bool:
+    """Whether the profile with these overrides runs a cluster (True when it does not load: not the
+    question, and its own error is the one to show)."""
+    try:
+        return load_profile(base, profile_overrides(given, base.parent)).target.cluster is not None
+    except ProfileError:
+        return True
+
+
+def _check_cluster(
+    path: Path, base: Path, profile: Profile | None, sets: dict[str, Any], config: dict[str, Any]
+) -> None:
+    """The cluster a configuration's runs would start: its file and what the sweep lays over it, checked
+    as the run will check it; a problem names the sweep key behind it (``axes: KEY=VALUE`` or ``set:``)."""
+    given = {**sets, **config}
+
+    def blame(key: str) -> str:
+        return f"{path}: {'axes' if key in config else 'set'}: {key}={given[key]}"
+
+    if profile is None or profile.target.cluster is None:
+        key = next((k for k in given if cluster_key(k) is not None), None)
+        if key is not None:
+            raise SweepError(f"{blame(key)}: the profile runs no cluster (target.cluster) to lay it over")
+        return
+    try:
+        cluster = load_target_cluster(profile.target)
+        # The profile's classes against this configuration's districts (a layout that serves no district
+        # for a class would fail its run); its warnings are the runs' to log.
+        check_classes(profile, base, cluster, profile.target.cluster)
+    except ClusterOverrideError as e:
+        # The sweep key that set e.key: that key, or a mapping above it (set: [cluster.front={...}]).
+        key = next((k for k in given if (c := cluster_key(k)) is not None
+                    and (e.key == c or e.key.startswith(c + "."))), None)  # fmt: skip
+        if key is None:  # the profile's own target.cluster_overrides
+            raise SweepError(f"{path}: profile {profile.target.cluster}: {e}") from None
+        raise SweepError(f"{blame(key)}: {e.problem} (cluster {_shown(profile.target.cluster)})"
+                         ) from None  # fmt: skip
+    except ConfigError as e:  # the cluster file itself, or the classes it does not serve
+        # Blame the layout axis first, else a cluster setting (a serves that leaves a class unserved).
+        keys = sorted((k for k in given if k == "target.cluster" or cluster_key(k) is not None),
+                      key=lambda k: k != "target.cluster")  # fmt: skip
+        where = blame(keys[0]) if keys else f"{path}: the profile's cluster"
+        raise SweepError(f"{where}: {e}") from None
+
+
+def _shown(path: str) -> str:
+    """A path as messages show it: relative to the working directory when under it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def configurations(axes: dict[str, Any]) -> list[dict[str, Any]]:

@@ -2,8 +2,8 @@
 
 Pure Python and asyncio, no HTTP. The server talks to it only through:
 
-- ``Engine.submit(prompt_ids, max_new_tokens, ...) -> RequestHandle`` (raises ``QueueFullError`` or
-  ``RequestTooLargeError``); ``async for step in handle`` yields ``Step(new_tokens, completion_tokens,
+- ``Engine.submit(prompt_ids, max_new_tokens, ...) -> RequestHandle`` (raises ``UnavailableError`` (queue
+  full, priority refused) or ``RequestTooLargeError``); ``async for step in handle`` yields ``Step(new_tokens, completion_tokens,
   finish_reason)`` (``finish_reason`` only on the last step); ``handle.abort()`` frees a request.
 - ``Engine.stats()`` for /metrics and /server_info, ``Engine.load()`` for /get_load, ``Engine.flush_cache()``,
   ``start()``/``stop()``.
@@ -31,11 +31,13 @@ from loadlab.sim.radix import RadixCache
 from loadlab.sim.scheduler import (
     DONE,
     Iteration,
+    PriorityDisabledError,
     QueueFullError,
     Request,
     RequestTooLargeError,
     Scheduler,
     SchedulerConfig,
+    UnavailableError,
 )
 
 PRECISE_SLEEP_S = 0.0015  # the last part of a wait before a pass ends, slept without the event loop
@@ -302,11 +304,14 @@ class Engine:
         rid: str | None = None,
         output_ids: Sequence[int] | None = None,
         internal: bool = False,
+        priority: int | None = None,
     ) -> RequestHandle:
         """Queues a request. ``output_ids`` (the ids the request will generate, if the caller knows them)
         lets finished requests leave prompt + output in the prefix cache. ``internal`` requests (health
         checks) bypass the queue limit and are not counted in the statistics. ``ignore_eos`` matters only
-        with the radix cache disabled (SGLang's exact-reservation admission); the model never emits EOS."""
+        with the radix cache disabled (SGLang's exact-reservation admission); the model never emits EOS.
+        ``priority``: the request's (SGLang's field; used with priority scheduling). A waiting request it
+        displaces from a full queue ends at once, its stream told so."""
         assert self._wake is not None and self._loop is not None, "Engine.start() was not called"
         interval = stream_interval or self.config.stream_interval
         req = Request(
@@ -317,10 +322,13 @@ class Engine:
             ignore_eos=ignore_eos,
             stream_interval=interval,
             internal=internal,
+            priority=priority,
         )
-        self.scheduler.add_request(req, self._loop.time())
+        displaced = self.scheduler.add_request(req, self._loop.time())
         handle = RequestHandle(self, req, interval)
         req.handle = handle
+        if displaced is not None and displaced.handle is not None:
+            displaced.handle._notify()
         self._wake.set()
         return handle
 
@@ -421,9 +429,11 @@ class Engine:
 __all__ = [
     "Engine",
     "EngineConfig",
+    "PriorityDisabledError",
     "QueueFullError",
     "RequestHandle",
     "RequestTooLargeError",
     "Step",
+    "UnavailableError",
     "prefill_pass_s",
 ]

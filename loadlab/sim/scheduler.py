@@ -33,6 +33,17 @@ The rules follow SGLang 0.4-0.5 (``scheduler.py``, ``schedule_policy.py``, ``sch
 - Policies: fcfs, or lpm (longest cached prefix first, with SGLang's in-batch prefix deprioritisation),
   which falls back to fcfs above 128 waiting requests.
 - Radix cache disabled + ignore_eos: SGLang's exact-reservation admission (``add_one_req_ignore_eos``).
+- Priority scheduling (``enable_priority_scheduling``; SGLang 0.5's ``schedule_policy.py`` and
+  ``Scheduler.get_new_batch_prefill``): a request without a priority gets the least preferred value there
+  is; under fcfs the queue is sorted by (priority, time it last entered the queue), higher values first
+  unless ``schedule_low_priority_values_first`` (lpm keeps its own order: SGLang sorts by priority only
+  under fcfs). When the running slots are full, a waiting request may preempt running ones (least
+  preferred first, ties: the latest queued) whose priority it beats by more than
+  ``priority_scheduling_preemption_threshold``, as many as its tokens need; they go back to the queue as a
+  retraction does, keeping their output. A full queue (``max_queued_requests``) drops its least preferred
+  waiting request for a strictly better arrival. (Each prefill attempt then sorts the queue: linear when it
+  is nearly sorted already; running requests are counted per priority, so that a full batch nobody may
+  preempt costs a decode step nothing more.)
 
 Per-step work is O(1) in the batch size for a decode step: the batch size, total context, private KV and
 the reservation sum are running totals; a request's generated count is computed from the decode counter
@@ -43,6 +54,7 @@ times (for the virtual driver) are kept as one array of decode-step end times.
 from __future__ import annotations
 
 import contextlib
+import sys
 from array import array
 from collections import deque
 from collections.abc import Sequence
@@ -68,8 +80,30 @@ PREFILL_PASS, DECODE_PASS, MIXED_PASS = "prefill", "decode", "mixed"
 _CONTINUE, _NO_TOKEN, _OTHER = range(3)
 
 
-class QueueFullError(Exception):
-    """The waiting queue already holds ``max_queued_requests`` requests."""
+# SGLang's messages for the requests its scheduler refuses or drops with HTTP 503.
+QUEUE_FULL_MESSAGE = "The request queue is full."
+DISPLACED_MESSAGE = "The request is aborted by a higher priority request."
+PRIORITY_DISABLED_MESSAGE = (
+    "Using priority is disabled for this server. Please send a new request without a priority."
+)
+
+
+class UnavailableError(Exception):
+    """SGLang refuses the request at admission with HTTP 503; the message is SGLang's."""
+
+
+class QueueFullError(UnavailableError):
+    """The waiting queue already holds ``max_queued_requests`` requests (none of them less preferred)."""
+
+    def __init__(self, message: str = QUEUE_FULL_MESSAGE):
+        super().__init__(message)
+
+
+class PriorityDisabledError(UnavailableError):
+    """A request with a priority, priority scheduling off and ``abort_on_priority_when_disabled`` on."""
+
+    def __init__(self, message: str = PRIORITY_DISABLED_MESSAGE):
+        super().__init__(message)
 
 
 class RequestTooLargeError(ValueError):
@@ -88,6 +122,10 @@ class SchedulerConfig:
     stream_interval: int = 1
     schedule_conservativeness: float = 1.0
     enable_mixed_chunk: bool = False
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    abort_on_priority_when_disabled: bool = False
     record_token_times: bool = False  # keep per-token times (virtual driver)
 
 
@@ -114,9 +152,11 @@ class Request:
         "output_ids",
         "pending_abort",
         "prefix_len",
+        "priority",
         "priv",
         "prompt",
         "prompt_len",
+        "queued_at",
         "rid",
         "state",
         "stream_interval",
@@ -134,6 +174,7 @@ class Request:
         stream_interval: int = 1,
         internal: bool = False,
         arrival_time: float = 0.0,
+        priority: int | None = None,
     ):
         self.rid = rid
         self.prompt = prompt if type(prompt) is list else list(prompt)
@@ -144,6 +185,8 @@ class Request:
         self.stream_interval = stream_interval
         self.internal = internal
         self.arrival_time = arrival_time
+        self.priority = priority  # with priority scheduling, None becomes the least preferred value
+        self.queued_at = arrival_time  # when it last entered the queue (SGLang's wait_queue_entry_time)
         self.state = WAITING
         self.gen = 0  # generated tokens (while running: at join time)
         self.join_d = 0  # decode counter when it joined the running batch
@@ -236,6 +279,12 @@ class Scheduler:
         self.lpm = cfg.schedule_policy == "lpm" and self.cache is not None
         self.mixed = cfg.enable_mixed_chunk
         self.record_times = cfg.record_token_times
+        # Priority scheduling. SGLang's priority_sign: sorting by priority x sign puts the preferred first.
+        self.priority_on = cfg.enable_priority_scheduling
+        self.priority_sign = 1 if cfg.schedule_low_priority_values_first else -1
+        # The default priority, for a request without one: the least preferred value (_set_or_validate_priority).
+        self.default_priority = sys.maxsize if cfg.schedule_low_priority_values_first else -sys.maxsize - 1
+        self.preemption_threshold = cfg.priority_scheduling_preemption_threshold
         # new_token_ratio (scheduler.py)
         self.init_ratio = min(DEFAULT_INIT_NEW_TOKEN_RATIO * cfg.schedule_conservativeness, 1.0)
         self.min_ratio = min(self.init_ratio * DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
@@ -258,6 +307,9 @@ class Scheduler:
         self._rem_base = 0  # sum over small running of (max_new - gen at join + join_d)
         self._n_small = 0
         self._big: set[Request] = set()  # running requests that joined with more than CLIP tokens to go
+        # Running requests per priority (with priority scheduling): the least preferred one in O(priorities),
+        # so that a decode step with full slots stays O(1) in the batch size when nobody may preempt.
+        self._running_priorities: dict[int, int] = {}
         # statistics
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
@@ -266,6 +318,9 @@ class Scheduler:
         self.num_aborted_requests_total = 0
         self.num_retractions_total = 0
         self.num_retracted_reqs = 0  # gauge: retracted since the last prefill batch (SGLang's stats)
+        # Priority preemptions (not in SGLang's retraction metrics: it counts them only in each request's
+        # retraction count, as the twin does in num_retractions).
+        self.num_priority_preemptions_total = 0
         self.cache_hit_rate = 0.0
         self.forward_passes = 0
         self.last_gen_throughput = 0.0
@@ -326,6 +381,7 @@ class Scheduler:
             "new_token_ratio": self.new_token_ratio,
             "num_retracted_reqs": self.num_retracted_reqs,
             "num_retractions_total": self.num_retractions_total,
+            "num_priority_preemptions_total": self.num_priority_preemptions_total,
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
@@ -359,17 +415,44 @@ class Scheduler:
                 "allows."
             )
 
-    def add_request(self, r: Request, now: float) -> None:
-        """Queues ``r`` (raises QueueFullError or RequestTooLargeError)."""
+    def add_request(self, r: Request, now: float) -> Request | None:
+        """Queues ``r`` (raises QueueFullError, PriorityDisabledError or RequestTooLargeError). Returns the
+        waiting request ``r`` displaced from a full queue (now aborted; its driver must tell its client), if
+        any."""
         self.check_fits(r.prompt_len, r.max_new)
-        limit = self.config.max_queued_requests
+        cfg = self.config
+        # SGLang's _set_or_validate_priority: a default when on; when off, ignored unless refused.
+        if r.priority is None:
+            if self.priority_on:
+                r.priority = self.default_priority
+        elif not self.priority_on and cfg.abort_on_priority_when_disabled and not r.internal:
+            raise PriorityDisabledError()
+        displaced = None
+        limit = cfg.max_queued_requests
         if not r.internal and limit is not None and len(self.waiting) >= limit:
-            raise QueueFullError("The request queue is full.")
+            displaced = self._displace(r, now)
         r.arrival_time = now
+        r.queued_at = now
         r.state = WAITING
         if self.record_times and r.times is None:
             r.times = array("d")
         self.waiting.append(r)
+        return displaced
+
+    def _displace(self, r: Request, now: float) -> Request:
+        """The queue is full (SGLang's _abort_on_queued_limit): without priority scheduling ``r`` is
+        refused; with it, the least preferred waiting request (ties: the latest queued) is aborted instead
+        if ``r`` is strictly preferred to it."""
+        if not self.priority_on or not self.waiting:
+            raise QueueFullError()
+        sign = self.priority_sign
+        worst = max(self.waiting, key=lambda w: (sign * w.priority, w.queued_at))
+        if not sign * r.priority < sign * worst.priority:
+            raise QueueFullError()
+        self._do_abort(worst, now, DISPLACED_MESSAGE)
+        assert worst.finish_reason is not None
+        worst.finish_reason["status_code"] = 503  # SGLang's abort carries the HTTP status
+        return worst
 
     def abort(self, r: Request, now: float, message: str = "client disconnected") -> bool:
         """Aborts ``r``. A request inside the forward pass in flight is aborted when the pass completes
@@ -496,24 +579,35 @@ class Scheduler:
 
     def _get_new_batch_prefill(self, now: float) -> Iteration | None:
         cfg = self.config
+        priority = self.priority_on
+        if priority:
+            self.batch_is_full = False  # SGLang resets it before every attempt, so that preemption may run
         if (self.batch_is_full or not self.waiting) and self.chunked is None:
             return None
         running_bs = len(self.running)
-        if cfg.max_running_requests - running_bs <= 0 and self.chunked is None:
+        if cfg.max_running_requests - running_bs <= 0 and self.chunked is None and not priority:
             self.batch_is_full = True
             return None
-        if self.lpm and 1 < len(self.waiting) <= LPM_FALLBACK_QUEUE:
-            self._sort_lpm()
+        if self.lpm:
+            if 1 < len(self.waiting) <= LPM_FALLBACK_QUEUE:
+                self._sort_lpm()
+        elif priority and len(self.waiting) > 1:
+            self._sort_priority()
         mixed_tokens = running_bs if self.mixed and running_bs else 0
         a = _Adder(cfg.max_prefill_tokens, self.chunk_size, mixed_tokens, self._reserved())
         chunked = self.chunked
         if chunked is not None:
             self._add_chunked(a, chunked)
-        allocatable = cfg.max_running_requests - running_bs
         admitted = 0
+        preempted: list[Request] = []
         for r in self.waiting:
-            if len(a.can_run) >= allocatable:
+            if len(a.can_run) >= cfg.max_running_requests - len(self.running):
                 self.batch_is_full = True
+                if not priority:
+                    break
+            # Once the slots were full in this pass, every further candidate has to preempt (SGLang keeps
+            # batch_is_full set for the rest of the pass).
+            if priority and self.batch_is_full and not self._preempt_for(a, r, now, preempted):
                 break
             self._match(r, now)
             res = self._add_one(a, r)
@@ -524,9 +618,13 @@ class Scheduler:
                     self.batch_is_full = True
                 break
         if not a.can_run:
+            # SGLang returns before re-queueing its preempted requests here (they would be lost); the twin
+            # re-queues them. (Only a preempting request refused after all, and nothing else admitted.)
+            self.waiting.extend(preempted)
             return None
         for _ in range(admitted):
             self.waiting.popleft()
+        self.waiting.extend(preempted)  # after the pass's own requests left the queue, as SGLang does
         self.chunked = a.new_chunked
         # Allocate the new tokens (evicting unlocked cache entries if needed) and mark the requests.
         new_total = 0
@@ -655,6 +753,52 @@ class Scheduler:
             a.update(0, trunc, 0)
         return self._budget_state(a)
 
+    def _sort_priority(self) -> None:
+        """fcfs with priority scheduling: by priority (the preferred first), then by the time each request
+        last entered the queue (SGLang's _sort_by_priority_and_fcfs; a stable sort, as Python's list.sort)."""
+        sign = self.priority_sign
+        self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority * sign, r.queued_at)))
+
+    def _preempt_for(self, a: _Adder, r: Request, now: float, preempted: list[Request]) -> bool:
+        """SGLang's PrefillAdder.preempt_to_schedule: the running requests, least preferred first (ties: the
+        latest queued), are preempted while ``r`` beats each one's priority by more than the threshold,
+        until their reservations cover what ``r`` needs beyond the remaining budget (its uncached tokens as
+        last matched + min(max_new, 4096)). None is preempted unless that many can be. Returns whether ``r``
+        may now be tried."""
+        sign = self.priority_sign
+        d = self.decode_steps
+        ratio = self.new_token_ratio
+
+        def offset(x: Request) -> float:  # x's reservation in the budget (SGLang's running-request offset)
+            return min(x.max_new - (x.gen + d - x.join_d), CLIP_MAX_NEW_TOKENS) * ratio
+
+        threshold = self.preemption_threshold
+        if not self._running_priorities:
+            return False
+        worst = max(self._running_priorities, key=lambda p: p * sign)
+        if (r.priority - worst) * -sign <= threshold:
+            return False  # it beats no running request by enough (the common case: no sort)
+        need = r.prompt_len + r.gen - r.prefix_len + min(r.max_new, CLIP_MAX_NEW_TOKENS) - self._rem_total(a)
+        victims: list[tuple[Request, float]] = []
+        for x in sorted(self.running, key=lambda x: (-sign * x.priority, -x.queued_at)):
+            if (r.priority - x.priority) * -sign <= threshold:
+                break
+            off = offset(x)
+            victims.append((x, off))
+            need -= off
+            if need <= 0:
+                break
+        if not victims or need > 0:
+            return False
+        remaining = len(self.running)
+        for x, off in victims:
+            a.total_offset -= off
+            remaining -= 1
+            self._release(x, now, remaining)
+            preempted.append(x)
+        self.num_priority_preemptions_total += len(victims)
+        return True
+
     def _sort_lpm(self) -> None:
         """lpm: longest cached prefix first; requests whose prefix is not cached but shared with an earlier
         waiting request go last (SGLang's in-batch prefix caching)."""
@@ -736,9 +880,17 @@ class Scheduler:
         else:
             self._rem_base += rem + d
             self._n_small += 1
+        if self.priority_on:
+            self._running_priorities[r.priority] = self._running_priorities.get(r.priority, 0) + 1
 
     def _leave_running(self, r: Request) -> None:
         """Takes ``r`` out of the running batch, bringing its counters up to date."""
+        if self.priority_on:
+            left = self._running_priorities[r.priority] - 1
+            if left:
+                self._running_priorities[r.priority] = left
+            else:
+                del self._running_priorities[r.priority]
         d = self.decode_steps
         steps = d - r.join_d
         gen_join = r.gen
@@ -784,25 +936,12 @@ class Scheduler:
         )  # fewest generated (ties: longest prompt) at the end
         first = True
         retracted = 0
-        cache = self.cache
         while first or self.free_tokens < RETRACT_DECODE_STEPS * len(order):
             if len(order) == 1 and self.free_tokens >= 1:
                 break  # always keep one (SGLang asserts it has room; if not, the twin retracts it too)
             first = False
             victim = order.pop()
-            self._leave_running(victim)
-            # Free the private KV (the decode tokens; everything without a cache), unlock the prefix.
-            self.private_used -= victim.priv
-            victim.priv = 0
-            self._unlock(victim)
-            if cache is not None:
-                residual = RETRACT_DECODE_STEPS * len(order) - self.free_tokens
-                if residual > 0:
-                    cache.evict(residual)
-            victim.state = WAITING
-            victim.prefix_len = 0
-            victim.already_computed = 0
-            victim.num_retractions += 1
+            self._release(victim, now, len(order))
             self.waiting.append(victim)
             retracted += 1
             if not order:
@@ -813,6 +952,26 @@ class Scheduler:
             gen_sum = sum(r.gen + d - r.join_d for r in order)
             max_new_sum = sum(r.max_new for r in order)
             self.new_token_ratio = min(1.0, (gen_sum + RETRACT_DECODE_STEPS * len(order)) / (max_new_sum + 1))
+
+    def _release(self, victim: Request, now: float, remaining: int) -> None:
+        """A running request back to waiting, keeping its output (SGLang's release_req, for retraction and
+        priority preemption alike): its private KV (the decode tokens; everything without a cache) is freed
+        and its prefix unlocked, the cache gives up enough for 20 more steps of the ``remaining`` running
+        requests, and it will re-prefill prompt + output minus the cache hit. The caller re-queues it."""
+        self._leave_running(victim)
+        self.private_used -= victim.priv
+        victim.priv = 0
+        self._unlock(victim)
+        cache = self.cache
+        if cache is not None:
+            residual = RETRACT_DECODE_STEPS * remaining - self.free_tokens
+            if residual > 0:
+                cache.evict(residual)
+        victim.state = WAITING
+        victim.prefix_len = 0
+        victim.already_computed = 0
+        victim.num_retractions += 1  # SGLang's reset_for_retract counts both in retraction_count
+        victim.queued_at = now
 
     def _apply_decode(self, it: Iteration, end: float) -> None:
         self.decode_steps += 1
@@ -871,9 +1030,11 @@ __all__ = [
     "RUNNING",
     "WAITING",
     "Iteration",
+    "PriorityDisabledError",
     "QueueFullError",
     "Request",
     "RequestTooLargeError",
     "Scheduler",
     "SchedulerConfig",
+    "UnavailableError",
 ]

@@ -24,10 +24,10 @@ from aiohttp import web
 from loadlab.sim import REQUEST_ID_HEADER, SIM_VERSION, WORKER_HEADER
 from loadlab.sim.engine import (
     Engine,
-    QueueFullError,
     RequestHandle,
     RequestTooLargeError,
     Step,
+    UnavailableError,
 )
 from loadlab.sim.settings import TwinSettings, base_url
 from loadlab.sim.tokenize import OUTPUT_IDS, OUTPUT_TEXTS, Tokenizer, output_start
@@ -37,7 +37,6 @@ NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang's (and OpenAI's) default
 # Chat has no default length in SGLang (the model stops at EOS); the sim never emits EOS, so it uses this.
 CHAT_DEFAULT_MAX_TOKENS = 128
-QUEUE_FULL_MESSAGE = "The request queue is full."
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 DONE_EVENT = b"data: [DONE]\n\n"
 JSON_CT = "application/json"
@@ -65,8 +64,18 @@ def _openai_error(message: str, status: int = 400, err_type: str = "BadRequestEr
     )
 
 
-def _queue_full() -> web.Response:
-    return _openai_error(QUEUE_FULL_MESSAGE, 503, "ServiceUnavailableError")
+def _unavailable(message: str) -> web.Response:
+    """SGLang's 503 for a request its scheduler refused or dropped (queue full, priority refused)."""
+    return _openai_error(message, 503, "ServiceUnavailableError")
+
+
+def _dropped(step: Step) -> web.Response | None:
+    """A non-streamed request the scheduler aborted with an HTTP status (a higher-priority request took
+    its place in a full queue) gets that status, as SGLang raises it; None for any other ending."""
+    fr = step.finish_reason
+    if fr is not None and fr.get("type") == "abort" and fr.get("status_code"):
+        return _unavailable(str(fr.get("message", "")))
+    return None
 
 
 async def _read_json(request: web.Request) -> dict:
@@ -89,6 +98,13 @@ def _int_field(value: Any, name: str, default: int, minimum: int) -> int:
         if name == "max_tokens":
             raise BadRequest("max_tokens must be positive")
         raise BadRequest(f"{name} must be at least {minimum}, got {value}.")
+    return value
+
+
+def _priority_field(value: Any) -> int | None:
+    """SGLang's request field ``priority`` (an integer; null or absent: none)."""
+    if value is not None and type(value) is not int:
+        raise BadRequest(f"priority must be an integer, got {value!r}.")
     return value
 
 
@@ -309,7 +325,8 @@ class SimServer:
                 "the input messages or the completion to fit within the limit."
             )
 
-    def _submit(self, prompt_ids, max_new, ignore_eos, stream_interval, rid, out: _Output) -> RequestHandle:
+    def _submit(self, prompt_ids, max_new, ignore_eos, stream_interval, rid, out: _Output,
+                priority: int | None = None) -> RequestHandle:  # fmt: skip
         try:
             return self.engine.submit(
                 prompt_ids,
@@ -318,12 +335,13 @@ class SimServer:
                 stream_interval=stream_interval,
                 rid=rid,
                 output_ids=out.ids,
+                priority=priority,
             )
         except RequestTooLargeError as e:
             raise BadRequest(str(e)) from None
 
     # -- native /generate ---------------------------------------------------------------------------------
-    def _native_request(self, body: dict) -> tuple[list[int], int, bool, int | None, str | None]:
+    def _native_request(self, body: dict) -> tuple[list[int], int, bool, int | None, str | None, int | None]:
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise BadRequest("Either text or input_ids should be provided.")
@@ -354,8 +372,9 @@ class SimServer:
             rid = rid[0] if len(rid) == 1 else None
         if rid is not None and not isinstance(rid, str):
             raise BadRequest("rid must be a string.")
+        priority = _priority_field(body.get("priority"))
         self._validate_lengths(len(prompt), max_new)
-        return prompt, max_new, ignore_eos, interval, rid
+        return prompt, max_new, ignore_eos, interval, rid, priority
 
     def _meta(self, h: RequestHandle, ct: int, finish_reason, final: bool) -> dict:
         meta = {
@@ -391,11 +410,12 @@ class SimServer:
             return _native_error(str(e))
         stream = body.get("stream") is True
         try:
-            prompt, max_new, ignore_eos, interval, rid = self._native_request(body)
+            prompt, max_new, ignore_eos, interval, rid, priority = self._native_request(body)
             out = _Output(prompt, max_new)
-            handle = self._submit(prompt, max_new, ignore_eos, interval if stream else _NO_WAKE, rid, out)
-        except QueueFullError:
-            return _queue_full()
+            handle = self._submit(prompt, max_new, ignore_eos, interval if stream else _NO_WAKE, rid, out,
+                                  priority)  # fmt: skip
+        except UnavailableError as e:
+            return _unavailable(str(e))
         except BadRequest as e:
             if not stream:
                 return _native_error(str(e))
@@ -408,6 +428,9 @@ class SimServer:
         if stream:
             return await self._native_stream(request, handle, out)
         step = await _run_to_end(handle)
+        dropped = _dropped(step)
+        if dropped is not None:
+            return dropped
         ct = step.completion_tokens
         if self.metrics is not None:
             self.metrics.first_token(False, handle)
@@ -527,7 +550,10 @@ class SimServer:
         rid = body.get("rid")
         if rid is not None and not isinstance(rid, str):
             raise BadRequest("rid must be a string.")
-        return max_new, ignore_eos, include_usage, continuous, model, rid
+        # priority: SGLang's completions request carries it to the scheduler; on chat the twin ignores it
+        # (shared/design/omni.md names /generate and /v1/completions).
+        priority = None if chat else _priority_field(body.get("priority"))
+        return max_new, ignore_eos, include_usage, continuous, model, rid, priority
 
     def _completion_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -581,23 +607,27 @@ class SimServer:
             stream = body.get("stream") is True
             prompt = self._chat_prompt(body) if chat else self._completion_prompt(body)
             default_max = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-            max_new, ignore_eos, include_usage, continuous, model, rid = self._openai_common(
+            max_new, ignore_eos, include_usage, continuous, model, rid, priority = self._openai_common(
                 body, default_max, chat
             )
             self._validate_lengths(len(prompt), max_new)
             rid = rid or (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
             out = _Output(prompt, max_new)
-            handle = self._submit(prompt, max_new, ignore_eos, None if stream else _NO_WAKE, rid, out)
+            handle = self._submit(prompt, max_new, ignore_eos, None if stream else _NO_WAKE, rid, out,
+                                  priority)  # fmt: skip
         except BadRequest as e:
             return _openai_error(str(e))
-        except QueueFullError:
-            return _queue_full()
+        except UnavailableError as e:
+            return _unavailable(str(e))
         created = int(time.time())
         if stream:
             return await self._openai_stream(
                 request, handle, out, chat, model, created, include_usage, continuous
             )
         step = await _run_to_end(handle)
+        dropped = _dropped(step)
+        if dropped is not None:
+            return dropped
         if self.metrics is not None:
             self.metrics.first_token(False, handle)
             self.metrics.finished(False, handle)
@@ -728,6 +758,8 @@ class SimServer:
                     "cache_hit_rate": st["cache_hit_rate"],
                     "new_token_ratio": st["new_token_ratio"],
                     "num_retractions_total": st["num_retractions_total"],
+                    # loadlab's: SGLang counts a priority preemption only in the request's num_retractions
+                    "num_priority_preemptions_total": st["num_priority_preemptions_total"],
                 }
             ],
         )

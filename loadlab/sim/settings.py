@@ -104,6 +104,33 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("enable_mixed_chunk", "bool", False, "run prefill chunks together with the decode batch"),
     Setting(
+        "enable_priority_scheduling",
+        "bool",
+        False,
+        "order the queue by each request's priority (higher first; none: last) and let a waiting request "
+        "preempt running ones",
+    ),
+    Setting(
+        "schedule_low_priority_values_first",
+        "bool",
+        False,
+        "with --enable-priority-scheduling: lower priority values first",
+    ),
+    Setting(
+        "priority_scheduling_preemption_threshold",
+        "int",
+        10,
+        "with --enable-priority-scheduling: a waiting request preempts a running one only if its priority "
+        "is better by more than this",
+    ),
+    Setting(
+        "abort_on_priority_when_disabled",
+        "bool",
+        False,
+        "without --enable-priority-scheduling: refuse a request carrying a priority (HTTP 503) instead of "
+        "ignoring it",
+    ),
+    Setting(
         "mem_fraction_static", "float", None, "GPU memory fraction for weights + KV (default 0.88)", 0.0, 1.0
     ),
     Setting("stream_interval", "int", 1, "tokens per streamed event after the first (at least)", 1),
@@ -281,6 +308,10 @@ class TwinSettings:
     disable_radix_cache: bool
     schedule_conservativeness: float
     enable_mixed_chunk: bool
+    enable_priority_scheduling: bool
+    schedule_low_priority_values_first: bool
+    priority_scheduling_preemption_threshold: int
+    abort_on_priority_when_disabled: bool
     mem_fraction_static: float
     stream_interval: int
     enable_metrics: bool
@@ -349,6 +380,10 @@ def engine_config(settings: TwinSettings, record_token_times: bool = False) -> E
         stream_interval=settings.stream_interval,
         schedule_conservativeness=settings.schedule_conservativeness,
         enable_mixed_chunk=settings.enable_mixed_chunk,
+        enable_priority_scheduling=settings.enable_priority_scheduling,
+        schedule_low_priority_values_first=settings.schedule_low_priority_values_first,
+        priority_scheduling_preemption_threshold=settings.priority_scheduling_preemption_threshold,
+        abort_on_priority_when_disabled=settings.abort_on_priority_when_disabled,
         record_token_times=record_token_times,
         gpu=settings.gpu,
         model=settings.model,

@@ -38,9 +38,10 @@ class Session:
         target = self.profile.target
         if target.url == "embedded":
             # A cluster file that does not load is bad input, like the profile (a ClusterError), and so are
-            # classes its districts do not serve (a ProfileError): both before anything starts.
+            # classes its districts do not serve (a ProfileError): both before anything starts. The
+            # profile's cluster_overrides are laid over the file (checked the same way).
             if target.cluster:
-                self.embedded = EmbeddedCluster(target.cluster)
+                self.embedded = EmbeddedCluster(target.cluster, target.cluster_overrides)
                 for warning in check_classes(
                     self.profile, self.profile_path, self.embedded.config, target.cluster
                 ):

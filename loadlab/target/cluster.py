@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from loadlab.cluster import ERROR_MARK, READY_PREFIX
-from loadlab.cluster.config import load_cluster, worker_settings
+from loadlab.cluster.config import flatten_overrides, load_cluster, worker_settings
 from loadlab.manifest import ClusterDistrictInfo, ClusterInfo, ClusterWorkerInfo
 from loadlab.procs import ChildStartError, ReadyLineProcess
+from loadlab.profile import CLUSTER_OVERRIDES
 from loadlab.target.probe import TargetError
 
 START_TIMEOUT_S = 120.0  # every worker, then the front
@@ -21,10 +22,15 @@ class EmbeddedCluster(ReadyLineProcess):
     """``loadlab cluster FILE --port 0``; ``start`` returns the URL a run aims at (the front, or the one
     worker of a cluster without a front); ``workers`` and ``info()`` say what was started."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, overrides: dict[str, Any] | None = None):
         self.path = str(path)
-        self.config = load_cluster(path, as_target=True)
+        # The profile's target.cluster_overrides: checked here (bad input, before anything starts) and
+        # passed on as --set, so the launcher starts what this config says (and the manifest records).
+        self.overrides = flatten_overrides(overrides or {})
+        self.config = load_cluster(path, True, self.overrides, source=f"{CLUSTER_OVERRIDES}.")
         argv = [sys.executable, "-m", "loadlab", "cluster", self.path, "--host", "127.0.0.1", "--port", "0"]
+        for key, value in self.overrides.items():
+            argv += ["--set", f"{key}={json.dumps(value)}"]  # JSON is YAML: --set reads it back as it was
         # The launcher's errors reach the run's log (a worker that died mid-run: the cluster goes on without
         # it); the children's own chatter stays in stderr_lines.
         super().__init__(argv, READY_PREFIX, START_TIMEOUT_S, echo_prefix="[cluster] ", echo_if=ERROR_MARK)
@@ -60,4 +66,6 @@ class EmbeddedCluster(ReadyLineProcess):
                 for d in self.config.districts
             ],
             workers_per_process=self.config.workers_per_process,
+            front_settings=self.config.front_settings(),
+            overrides=self.overrides or None,
         )
