@@ -56,6 +56,14 @@ def render_console(s: Summary, report: Path | None = None) -> str:
             )
     lines.append("")
     lines += [line.removeprefix("- ") for line in slo_lines(s)]
+    if s.goodput_ratio is not None:
+        lines.append(
+            f"Goodput: {s.goodput_ratio * 100:.1f}% of measured requests within every per-request limit "
+            f"({s.request_goodput:.2f} req/s, {s.output_goodput:.1f} output tok/s)"
+        )
+    for finding in s.findings:
+        title, _ = finding.parts()
+        lines.append(f"Finding: {title} (summary.md says why)")
     if s.client is not None and s.client.client_bound:
         lines.append("CLIENT-BOUND: " + "; ".join(s.client.reasons))
     if report is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from loadlab.analysis import verdicts
 from loadlab.analysis.server_metrics import gauge_peaks, outages, same_server, scrape_interval, server_summary
 from loadlab.analysis.summary import SUMMARY_SCHEMA, SUMMARY_VERSION, Summary
 from loadlab.manifest import ClientVerdict, Manifest
@@ -246,6 +247,10 @@ def _objects(df: pd.DataFrame, col: str) -> list[Any]:
     return df[col].tolist()
 
 
+def _objects_array(df: pd.DataFrame, col: str) -> np.ndarray:
+    return np.array(_objects(df, col), dtype=object)
+
+
 def _bools(df: pd.DataFrame, col: str, default: bool) -> np.ndarray:
     if col not in df.columns:
         return np.full(len(df), default)
@@ -339,6 +344,9 @@ class _FromManifest:
     client: dict[str, Any] | None
     slo: Any  # the profile's slo mapping, parsed by evaluate_slo
     classes: list[Any]  # the profile's classes (name, share, slo, ...), [] without
+    load_kind: str | None = None  # "closed" or "open"; None without a manifest
+    profile: dict[str, Any] | None = None  # the resolved profile: the workload behind the expected cache hits
+    virtual_peak_usage: float | None = None  # a virtual run's peak KV usage (it has no /metrics)
 
 
 def _from_manifest(manifest: Manifest | None) -> _FromManifest:
@@ -369,6 +377,9 @@ def _from_manifest(manifest: Manifest | None) -> _FromManifest:
         client=_client(manifest.client),
         slo=profile.get("slo"),
         classes=list(profile.get("classes") or []),
+        load_kind=load.model,
+        profile=profile,
+        virtual_peak_usage=getattr(manifest.virtual_stats, "peak_token_usage_measured", None),
     )
 
 
@@ -461,6 +472,9 @@ def compute_summary(
     out_tokens_resolved = output_tokens.copy()
     output_fallback = int((ok & ~np.isfinite(output_tokens)).sum())
     out_tokens_resolved[np.flatnonzero(ok)] = ok_out
+    # Each request's own TPOT (NaN without one), for its goodput.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tpot_each = np.where(out_tokens_resolved > 1, (e2e - ttft) / (out_tokens_resolved - 1), np.nan)
 
     server_rows = server_rows or []
     margin = scrape_interval(server_rows)  # scrapes one interval either side of the window belong to it
@@ -627,6 +641,26 @@ def compute_summary(
         server["queue_time_source"] = "meta_info"
     summary["slo"] = evaluate_slo(run.slo, samples, summary["failed"])
 
+    def goodput_of(slo: Any, mine: np.ndarray) -> dict[str, Any]:
+        limits = verdicts.goodput_limits(slo_objectives(slo)[0])
+        return verdicts.goodput(limits, mine, ok, ttft, tpot_each, e2e, out_tokens_resolved, duration)
+
+    summary.update(goodput_of(run.slo, measured))
+
+    # The workload's own bound on the cache hits, over the requests the server's ratio is taken over (all
+    # completed ones when the server reported none).
+    prompt_each = np.where(
+        np.isfinite(prompt_tokens), prompt_tokens, input_len
+    )  # the server's, else intended
+    shared = verdicts.reusable_prefix(run.profile, _numeric(df, "index"))
+    over = both if cached_reported else ok
+    over_prompts = prompt_each[over]
+    summary["expected_cached_token_ratio"] = (
+        float(np.nansum(shared[over]) / np.nansum(over_prompts))
+        if shared is not None and over.any() and np.nansum(over_prompts) > 0
+        else None
+    )
+
     # Per SLO class: its measured records alone, the same definitions, its own SLO.
     request_class = _strings(df, "request_class")
     profile_classes = {c["name"]: c for c in run.classes if isinstance(c, dict) and "name" in c}
@@ -654,16 +688,52 @@ def compute_summary(
             "output_throughput": per_s(output_c),
             "samples": {stem: int(arr.size) for stem, arr in class_samples.items()},
             "slo": evaluate_slo(slo_c, class_samples, int((mine & ~ok).sum())),
+            **goodput_of(slo_c, mine),
         }
         for stem, arr in class_samples.items():
             entry.update(describe(arr, stem))
         summary["classes"].append(entry)
         if class_samples_out is not None:  # each class's own samples, for its plots
             class_samples_out[name] = class_samples
-    verdicts = [
+    passes = [
         v for v in (summary["slo"]["pass"], *(c["slo"]["pass"] for c in summary["classes"])) if v is not None
     ]
-    summary["slo"]["pass"] = all(verdicts) if verdicts else None
+    summary["slo"]["pass"] = all(passes) if passes else None
+
+    # The overload verdict (open loop) and the pitfalls the data shows.
+    summary["overload"] = verdicts.overload(
+        scheduled_col, t_send, ttft, prompt_each, measured, ok, t_send, end_wall
+    )
+    closed = run.load_kind == "closed"
+    retractions = server.get("retractions")
+    if retractions is None:  # no /metrics (a virtual run): the records' own counts
+        counts = _numeric(df, "num_retractions")[measured]
+        retractions = float(np.nansum(counts)) if np.isfinite(counts).any() else None
+    above_cap = (
+        verdicts.time_above(t_send, end_wall, run.max_concurrency, window_start, window_end)
+        if run.max_concurrency is not None and has_duration
+        else 0.0
+    )
+    refused = verdicts.refused_for_size(_numeric(df, "http_status"), _objects_array(df, "error"), not_ok)
+    peak_usage = server.get("peak_token_usage")
+    findings = [
+        verdicts.overload_finding(summary["overload"], measured_requests),
+        verdicts.kv_finding(
+            peak_usage if peak_usage is not None else run.virtual_peak_usage, retractions, refused
+        ),
+        verdicts.lock_finding(closed, run.max_concurrency, flight, above_cap, duration),
+        verdicts.warmup_finding(
+            int(warmup.sum()),
+            run.max_concurrency if closed else None,
+            t_send,
+            ttft,
+            cached_tokens,
+            prompt_tokens,
+            ok,
+        ),
+        verdicts.cache_finding(summary["expected_cached_token_ratio"], cached_ratio, len(workers)),
+    ]
+    summary["findings"] = [f for f in findings if f is not None]
     if samples_out is not None:  # the per-request samples, for plots
         samples_out.update(samples)
     return Summary.model_validate(clean(summary))  # the flat keys of summary.json, as summary.json is read

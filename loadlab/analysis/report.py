@@ -10,7 +10,16 @@ import pandas as pd
 from loadlab.analysis.html import REPORT_HTML, render_html
 from loadlab.analysis.metrics import compute_summary
 from loadlab.analysis.server_metrics import read_server_metrics
-from loadlab.analysis.summary import SUMMARY_JSON, Client, LatencyStats, Server, Summary, write_atomic
+from loadlab.analysis.summary import (
+    SUMMARY_JSON,
+    Client,
+    Finding,
+    LatencyStats,
+    Overload,
+    Server,
+    Summary,
+    write_atomic,
+)
 from loadlab.manifest import read_manifest
 from loadlab.records import RECORD_FIELDS, RECORDS_JSONL, RECORDS_PARQUET, load_records
 
@@ -266,6 +275,67 @@ def slo_lines(s: Summary) -> list[str]:
     return lines
 
 
+def _finding_lines(findings: list[Finding]) -> list[str]:
+    """Findings as the report's other warnings (Client-bound), one quoted paragraph each."""
+    lines = []
+    for f in findings:
+        title, text = f.parts()
+        lines += [f"> **{title}**: {text}", ""]
+    return lines
+
+
+def _overload_line(o: Overload | None) -> list[str]:
+    """The overload verdict's figures in the load section (open loop), whichever way it went."""
+    if o is None:
+        return []
+    served = (
+        f"the server took in {_num(o.served_prompt_tokens_per_s, 0)} prompt tok/s while requests waited for their "
+        f"first token ({_num(o.backlog_s, 1)} s of backlog)"
+    )
+    slope = (
+        f"TTFT from the due time {o.ttft_slope * 1000:+.0f} ms per second of arrivals over their second half"
+        + (f" (t {o.ttft_slope_t:.1f})" if o.ttft_slope_t is not None else "")
+        if o.ttft_slope is not None
+        else "too few requests for a TTFT trend"
+    )
+    verdict = "**over capacity**" if o.over_capacity else "within capacity"
+    return [
+        f"- Offered load: {o.arrival_rate:.2f} req/s x {_num(o.mean_prompt_tokens, 0)} prompt tokens = "
+        f"{_num(o.offered_prompt_tokens_per_s, 0)} prompt tok/s; {served}; {slope}; in flight "
+        f"{o.in_flight_growth_per_s:+.2f}/s at the end of the arrivals: {verdict}"
+    ]
+
+
+def _limits(limits: dict[str, float]) -> str:
+    names = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "e2e_latency_ms": "E2E"}
+    return ", ".join(f"{names[m]} <= {v:g} ms" for m, v in limits.items())
+
+
+def _goodput_lines(s: Summary) -> list[str]:
+    """DistServe's goodput: requests within every per-request limit (each SLO objective's threshold)."""
+    lines = ["## Goodput", ""]
+    if s.goodput_limits is None:
+        lines.append("- No per-request limits: the SLO sets no TTFT, TPOT or E2E objective, so goodput is not "
+                     "defined (ITL objectives bound the pooled gaps, not a request).")  # fmt: skip
+    else:
+        ratio = _num(s.goodput_ratio * 100 if s.goodput_ratio is not None else None, 1)
+        lines += [
+            f"- Per-request limits (each SLO objective's threshold): {_limits(s.goodput_limits)}",
+            f"- Good requests (completed within every limit; failed requests never count): {s.good_requests} "
+            f"of {s.measured_requests} measured ({ratio}%)",
+            f"- Request goodput: {_num(s.request_goodput)} req/s (of {_num(s.request_throughput)} req/s completed)",
+            f"- Output goodput: {_num(s.output_goodput)} tok/s (of {_num(s.output_throughput)} tok/s)",
+        ]
+    for c in s.classes:
+        if c.goodput_limits is None:
+            lines.append(f"- Class {c.name}: no per-request limits")
+            continue
+        ratio = _num(c.goodput_ratio * 100 if c.goodput_ratio is not None else None, 1)
+        lines.append(f"- Class {c.name} ({_limits(c.goodput_limits)}): {c.good_requests} of {c.measured_requests} "
+                     f"good ({ratio}%), {_num(c.request_goodput)} req/s, {_num(c.output_goodput)} output tok/s")  # fmt: skip
+    return [*lines, ""]
+
+
 def render_markdown(s: Summary) -> str:
     """A plain-Markdown human view of a summary."""
     title = " / ".join(str(x) for x in (s.run_id, s.profile_name) if x) or "run"
@@ -290,6 +360,8 @@ def render_markdown(s: Summary) -> str:
         ]
 
     lines += _outage_lines(s)
+    # Over capacity qualifies every figure below, so it comes first; the other findings follow the latencies.
+    lines += _finding_lines([f for f in s.findings if f.kind == "over_capacity"])
 
     target = s.target_url or "unknown"
     if s.api:
@@ -336,6 +408,7 @@ def render_markdown(s: Summary) -> str:
         "",
     ]
     lines += _client_lines(s.client)
+    lines += _finding_lines([f for f in s.findings if f.kind != "over_capacity"])
 
     lines += ["## Throughput", ""]
     lines += [
@@ -364,11 +437,17 @@ def render_markdown(s: Summary) -> str:
         f"min {_num(flight.min)}, max {_num(flight.max)}",
         f"- Concurrency (bench_serving: sum of completed E2E / duration): {_num(s.concurrency)}",
     ]
-    ratio = s.cached_token_ratio
+    lines += _overload_line(s.overload)
+    ratio, bound = s.cached_token_ratio, s.expected_cached_token_ratio
     lines.append(
         f"- Cached-token ratio: {_num(ratio * 100 if ratio is not None else None, 1)}"
         + ("%" if ratio is not None else "")
         + f" ({s.cached_tokens_reported} requests reported cached tokens)"
+        + (
+            f"; the workload allows at most {bound * 100:.1f}% (prefixes shared with earlier requests)"
+            if bound is not None
+            else ""
+        )  # fmt: skip
     )
     if s.tokens_per_event_inexact:
         lines.append(
@@ -383,4 +462,5 @@ def render_markdown(s: Summary) -> str:
     lines += ["## SLO", ""]
     lines += slo_lines(s)
     lines.append("")
+    lines += _goodput_lines(s)
     return "\n".join(lines)

@@ -83,6 +83,8 @@ def aggregate(
         row["client_bound"] = sum(bool(c.get("client_bound")) for c in clients)
         bounds = [c["error_bound_ms"] for c in clients if isinstance(c.get("error_bound_ms"), int | float)]
         row["error_bound_ms"] = max(bounds) if bounds else None
+        # Open loop: runs whose arrivals outran the server (each summary's overload verdict).
+        row["over_capacity"] = sum(bool((s.get("overload") or {}).get("over_capacity")) for s in summaries)
         row["refined"] = config not in coarse
         row["error"] = (failed or {}).get(str(k))
         row["classes"] = class_rows(summaries)
@@ -289,6 +291,14 @@ def choose(rows: list[dict], slo: Mapping[str, Any] | None) -> dict[str, Any]:
                         f"{', '.join(label(r['config']) for r in flagged)}): their latencies include the load "
                         "generator's own delay (summary.md says why); rerun on a quieter machine or with more "
                         "workers")  # fmt: skip
+    overloaded = [r for r in done if r.get("over_capacity")]
+    if overloaded:
+        runs = sum(r["over_capacity"] for r in overloaded)
+        findings.append(f"over capacity in {', '.join(label(r['config']) for r in overloaded)} ({runs} of "
+                        f"{sum(r['repeats'] for r in overloaded)} runs): arrivals outran the server, so TTFT grows "
+                        "with run length; their TTFT percentiles describe the runs' length, not a steady state, and "
+                        "no limit among them can meet a TTFT SLO at this rate (each run's summary.md has the "
+                        "figures)")  # fmt: skip
     first_retract = next((r for r in done if (_median(r, "retractions") or 0) > 0), None)
     if first_retract is not None:
         findings.append(
