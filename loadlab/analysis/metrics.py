@@ -699,6 +699,22 @@ def compute_summary(
         v for v in (summary["slo"]["pass"], *(c["slo"]["pass"] for c in summary["classes"])) if v is not None
     ]
     summary["slo"]["pass"] = all(passes) if passes else None
+    classes = summary["classes"]
+    if classes and any(c["goodput_limits"] is not None for c in classes):
+        # With classes each request is judged by its own class's limits (which inherit the profile's); a
+        # class without any per-request limit has nothing to fail, so its completed requests count as good.
+        def judged(c: dict, good_key: str, all_key: str) -> float | None:
+            return c[good_key] if c["goodput_limits"] is not None else c[all_key]
+
+        good = sum(judged(c, "good_requests", "completed") for c in classes)
+        summary["good_requests"] = good
+        summary["goodput_ratio"] = good / measured_requests if measured_requests else None
+        for key, whole in (
+            ("request_goodput", "request_throughput"),
+            ("output_goodput", "output_throughput"),
+        ):
+            parts = [judged(c, key, whole) for c in classes]
+            summary[key] = None if any(v is None for v in parts) else float(sum(parts))
 
     # The overload verdict (open loop) and the pitfalls the data shows.
     summary["overload"] = verdicts.overload(

@@ -314,13 +314,18 @@ def _limits(limits: dict[str, float]) -> str:
 def _goodput_lines(s: Summary) -> list[str]:
     """DistServe's goodput: requests within every per-request limit (each SLO objective's threshold)."""
     lines = ["## Goodput", ""]
-    if s.goodput_limits is None:
+    if s.goodput_ratio is None:
         lines.append("- No per-request limits: the SLO sets no TTFT, TPOT or E2E objective, so goodput is not "
                      "defined (ITL objectives bound the pooled gaps, not a request).")  # fmt: skip
     else:
         ratio = _num(s.goodput_ratio * 100 if s.goodput_ratio is not None else None, 1)
+        limits = (
+            "each request its own class's (below; a class without any counts its completed requests)"
+            if s.classes
+            else _limits(s.goodput_limits)
+        )
         lines += [
-            f"- Per-request limits (each SLO objective's threshold): {_limits(s.goodput_limits)}",
+            f"- Per-request limits (each SLO objective's threshold): {limits}",
             f"- Good requests (completed within every limit; failed requests never count): {s.good_requests} "
             f"of {s.measured_requests} measured ({ratio}%)",
             f"- Request goodput: {_num(s.request_goodput)} req/s (of {_num(s.request_throughput)} req/s completed)",
