@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 RECORDS_JSONL = "records.jsonl"
+RECORDS_CSV = "records.csv"  # for spreadsheets: the same columns, the per-event lists as JSON arrays
 RECORDS_PARQUET = "records.parquet"
 SPILL_DIR = "spill"  # workers' own copies of their records (distributed runs), one JSONL file per worker
 # The target's /metrics, one JSON line per scrape (loadlab.target.scraper writes, analysis.server_metrics reads)
@@ -229,8 +230,22 @@ def _write_table(run_dir: Path, columns: dict[str, list]) -> Path:
         else:
             arrays[name] = pa.array(values, type=types[name])
     out = run_dir / RECORDS_PARQUET
-    pq.write_table(pa.table(arrays), out)
+    table = pa.table(arrays)
+    pq.write_table(table, out)
+    _write_csv(run_dir / RECORDS_CSV, table, columns)
     return out
+
+
+def _write_csv(path: Path, table, columns: dict[str, list]) -> None:
+    """records.csv: every column of the Parquet table in its order; CSV has no lists, so each per-event
+    column is one cell holding a JSON array (empty when the record has none)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    for name in _LIST_COLUMNS:
+        cells = [orjson.dumps(v).decode() if v is not None else None for v in columns[name]]
+        table = table.set_column(table.schema.get_field_index(name), name, pa.array(cells, type=pa.string()))
+    pacsv.write_csv(table, path)
 
 
 _LIST_COLUMNS = ("arrival_ms", "arrival_tokens")
