@@ -95,6 +95,7 @@ def _on_test_start(environment, **_kw):
             session.model,
             environment.runner.target_user_count or opts.num_users,
             sys.argv,
+            api_key=session.api_key,
         )
     except (TargetError, OSError) as e:
         log.error("loadlab: cannot start the run: %s", e)
@@ -104,7 +105,7 @@ def _on_test_start(environment, **_kw):
     context.run = run
     target = session.profile.target
     run.scraper = Scraper(  # its own process: parsing costs CPU
-        session.metrics_urls(environment.host), run.dir, target.metrics_interval_s
+        session.metrics_urls(environment.host), run.dir, target.metrics_interval_s, session.api_key
     ).start()
     _freeze_heap()
     run.client_limits = (opts.client_limit_ms, opts.client_limit_cpu)

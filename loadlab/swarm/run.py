@@ -24,7 +24,7 @@ from loadlab.manifest import (
     software_versions,
     write_manifest,
 )
-from loadlab.profile import Profile
+from loadlab.profile import Profile, redact
 from loadlab.records import (
     OK,
     SPILL_DIR,
@@ -60,8 +60,10 @@ class Run:
         model: str | None,
         users: int,
         argv: list[str],
+        api_key: str | None = None,
     ):
         self.profile = profile
+        self.api_key = api_key  # sent by this process's users; never written anywhere (redact)
         self.api = profile.target.api
         self.model = model
         self.workload = workload
@@ -98,7 +100,7 @@ class Run:
                 warmup_expected=profile.requests.warmup, measured_expected=profile.requests.measured
             ),
             versions=software_versions(locust=locust.__version__, gevent=gevent.__version__),
-            command=argv,
+            command=redact(list(argv), api_key),  # a key given on a command line stays out of it
         )
         write_manifest(self.dir, self.manifest)
 
@@ -168,7 +170,7 @@ class Run:
         if self.coordinator is not None:
             m.load_generators = self.coordinator.load_generators()
             generators += self.coordinator.calibrations()
-            m.failure = self.coordinator.failure
+            m.failure = redact(self.coordinator.failure, self.api_key)
         if generators:
             m.client = ClientVerdict.model_validate(verdict(generators, *self.client_limits))
         write_manifest(self.dir, self.manifest)

@@ -14,6 +14,7 @@ from locust.exception import StopUser
 
 from loadlab.client.request import new_exchange, send, to_record
 from loadlab.client.stream import StreamingClient
+from loadlab.profile import auth_headers
 from loadlab.records import CANCELLED, CLIENT_ERROR, OK, WARMUP, RequestRecord
 
 CONNECT_TIMEOUT_S = 10.0
@@ -39,7 +40,11 @@ class SGLangUser(User):
         target = self.run.profile.target
         self.user_id = next(_user_ids)
         self.client = StreamingClient(
-            self.environment.host, CONNECT_TIMEOUT_S, target.idle_timeout_s, target.timeout_s
+            self.environment.host,
+            CONNECT_TIMEOUT_S,
+            target.idle_timeout_s,
+            target.timeout_s,
+            headers=auth_headers(self.run.api_key),
         )
 
     def on_stop(self) -> None:
