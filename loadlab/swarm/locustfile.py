@@ -103,6 +103,7 @@ def _on_test_start(environment, **_kw):
         gevent.spawn(end_run, environment)
         return
     context.run = run
+    run.on_refused = functools.partial(_refused, environment)
     target = session.profile.target
     run.scraper = Scraper(  # its own process: parsing costs CPU
         session.metrics_urls(environment.host), run.dir, target.metrics_interval_s, session.api_key
@@ -145,6 +146,13 @@ def _stop_when_done(environment, run: Run) -> None:
     run.tickets.all_done.wait()
     run.stop_calibration()  # the measured phase is over: what follows (stopping, the report) is not timed
     end_run(environment)
+
+
+def _refused(environment, message: str) -> None:
+    """The target refused a request for its credentials (its 401 or 403): say so in one line and stop."""
+    print(f"loadlab: {message}", file=sys.stderr, flush=True)
+    environment.process_exit_code = exits.TARGET
+    gevent.spawn(end_run, environment)
 
 
 def end_run(environment) -> None:

@@ -24,7 +24,7 @@ from loadlab.manifest import (
     software_versions,
     write_manifest,
 )
-from loadlab.profile import Profile, redact
+from loadlab.profile import API_PATHS, Profile, api_key_source, redact
 from loadlab.records import (
     OK,
     SPILL_DIR,
@@ -38,6 +38,7 @@ from loadlab.records import (
 )
 from loadlab.swarm.calibration import verdict
 from loadlab.swarm.options import DEFAULT_LIMIT_CPU, DEFAULT_LIMIT_MS
+from loadlab.target.probe import REFUSED, refusal
 
 if TYPE_CHECKING:
     from loadlab.analysis.summary import Summary
@@ -85,6 +86,10 @@ class Run:
         self.scraper = None  # the target's /metrics scraper process (loadlab.target.scraper)
         self.client_limits = (DEFAULT_LIMIT_MS, DEFAULT_LIMIT_CPU)
         self.finalized = False
+        # A request the target refused for want of credentials (a gateway that lets the probe through):
+        # every other request would be refused too, so the run stops (on_refused) with this line.
+        self.refused: str | None = None
+        self.on_refused = None
         self.summary: Summary | None = (
             None  # the report's summary, once finalized (the console block prints it)
         )
@@ -112,6 +117,12 @@ class Run:
             log.error("loadlab: request %d recorded twice; the second record is dropped", rec.index)
             return
         self.writer.write(rec)
+        if rec.http_status in REFUSED and self.refused is None:
+            target = self.profile.target
+            self.refused = refusal(self.manifest.target.url, f"POST {API_PATHS[rec.api]}", rec.http_status,
+                                   self.api_key, api_key_source(target)) + "; the run stops"  # fmt: skip
+            if self.on_refused is not None:
+                self.on_refused(self.refused)
         self.indices.add(rec.index)
         self.outcomes[rec.outcome] = self.outcomes.get(rec.outcome, 0) + 1
         if self.lost.pop(rec.index, None) is None:  # a request given up as lost is already counted
@@ -171,6 +182,8 @@ class Run:
             m.load_generators = self.coordinator.load_generators()
             generators += self.coordinator.calibrations()
             m.failure = redact(self.coordinator.failure, self.api_key)
+        if self.refused is not None:
+            m.failure = m.failure or self.refused
         if generators:
             m.client = ClientVerdict.model_validate(verdict(generators, *self.client_limits))
         write_manifest(self.dir, self.manifest)

@@ -86,12 +86,20 @@ def _first_json(base_url: str, paths: tuple[str, ...], headers, api_key, key_sou
 
 
 def _check_auth(base_url: str, path: str, status: int, api_key: str | None, key_source: str | None) -> None:
-    if status not in (401, 403):
-        return
-    said = f"target {base_url}: GET {path}: HTTP {status} {HTTPStatus(status).phrase}"
+    if status in REFUSED:
+        raise TargetAuthError(refusal(base_url, f"GET {path}", status, api_key, key_source))
+
+
+REFUSED = (401, 403)  # the target's answer to missing or wrong credentials
+
+
+def refusal(base_url: str, request: str, status: int, api_key: str | None, key_source: str | None) -> str:
+    """The one line for a target that refused a request (``request``: ``GET /server_info``) for want of
+    credentials: whether a key was sent, and where it came from (never the key)."""
+    said = f"target {base_url}: {request}: HTTP {status} {HTTPStatus(status).phrase}"
     if api_key:
-        raise TargetAuthError(f"{said}: the target refused the API key from {key_source or 'the run'}")
-    raise TargetAuthError(
+        return f"{said}: the target refused the API key from {key_source or 'the run'}"
+    return (
         f"{said}: the target wants an API key and none was sent (set {API_KEY_ENV}, or name the variable "
         "or file holding it in the profile: target.api_key_env, target.api_key_file)"
     )
