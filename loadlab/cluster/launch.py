@@ -16,6 +16,8 @@ line, then serve until SIGTERM or SIGINT.
    dies"); a front that dies ends the cluster (exit 1), since nothing reaches the workers without it.
    Every child runs in its own session and gets SIGTERM when this process dies (``loadlab.procs.spawn``),
    so even a SIGKILLed launcher leaves no worker or front behind.
+5. With ``LOADLAB_SERVER_API_KEY`` set, every worker and the front require that key (SGLang's ``--api-key``):
+   the twins and omni read it from their environment, the router is given ``--api-key``.
 """
 
 from __future__ import annotations

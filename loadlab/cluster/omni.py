@@ -21,6 +21,8 @@ to stderr, and stops on SIGTERM or SIGINT (exit 0); a bad flag is one line and e
   (``--max-in-flight-per-worker``, default each worker's ``max_running_requests``); beyond
   ``--queue-size`` waiting it gets 429, with no healthy worker 503. Every response omni produces itself
   carries ``x-loadlab-front: omni``.
+- API key: with ``LOADLAB_SERVER_API_KEY`` set, clients must send it as SGLang's ``--api-key`` wants
+  (``loadlab.sim.auth``: 401 otherwise, /health and /metrics open), and omni sends it to its workers.
 
 - Districts and SLO classes: ``--district NAME[:CLASS,...]=URL,...`` groups workers; a district naming
   classes serves only those, one without serves any. A request's class is the value of its class header
