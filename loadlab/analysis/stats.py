@@ -88,18 +88,26 @@ class SortedSamples:
         if self.small.size > max(self.large.size // self.FOLD_FRACTION, self.FOLD_MIN):
             self.large, self.small = _merge(self.large, self.small), np.empty(0)
 
-    def kth(self, k: int) -> float:
-        """The k-th smallest sample (0-based) of the union of the two sorted arrays."""
+    def kths(self, ks: np.ndarray) -> np.ndarray:
+        """The k-th smallest samples (0-based) of the union of the two sorted arrays, for each k at once:
+        a binary search for how many of the k+1 smallest come from the large array."""
         a, b = self.large, self.small
-        lo, hi = max(0, k + 1 - b.size), min(k + 1, a.size)
-        while lo < hi:  # the fewest samples taken from a such that the k+1 smallest are a[:i] and b[:k+1-i]
+        ks = np.asarray(ks, dtype=np.intp)
+        if b.size == 0:
+            return a[ks]
+        if a.size == 0:
+            return b[ks]
+        lo, hi = np.maximum(0, ks + 1 - b.size), np.minimum(ks + 1, a.size)
+        while (active := lo < hi).any():
             i = (lo + hi) // 2
-            if b[k - i] > a[i]:
-                lo = i + 1
-            else:
-                hi = i
-        j = k + 1 - lo
-        return max(a[lo - 1] if lo > 0 else -math.inf, b[j - 1] if j > 0 else -math.inf)
+            # Taking i from a and k+1-i from b is too few from a when b's last taken beats a's next.
+            more = active & (b[np.clip(ks - i, 0, b.size - 1)] > a[np.minimum(i, a.size - 1)])
+            lo = np.where(more, i + 1, lo)
+            hi = np.where(active & ~more, i, hi)
+        j = ks + 1 - lo
+        from_a = np.where(lo > 0, a[np.maximum(lo - 1, 0)], -np.inf)
+        from_b = np.where(j > 0, b[np.maximum(j - 1, 0)], -np.inf)
+        return np.maximum(from_a, from_b)
 
     def quantiles(self, qs: Any) -> np.ndarray | None:
         """The same figures as ``quantiles`` over the same samples; None without any."""
@@ -107,9 +115,8 @@ class SortedSamples:
         if n == 0:
             return None
         lo, hi, gamma = linear_positions(n, qs)
-        a = np.array([self.kth(int(k)) for k in lo])
-        b = np.array([self.kth(int(k)) for k in hi])
-        return lerp(a, b, gamma)
+        bounds = self.kths(np.concatenate([lo, hi]))
+        return lerp(bounds[: lo.size], bounds[lo.size :], gamma)
 
     def percentile(self, q: float) -> float | None:
         values = self.quantiles([q])
