@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -65,10 +65,15 @@ def percentile(samples: Any, q: float) -> float | None:
 class SortedSamples:
     """A growing multiset of samples whose percentiles cost O(log n), not O(n): a large sorted array and a
     small one that new samples merge into, folded into the large one when it grows past a fraction of it
-    (each sample is copied O(1) times on average). For the live figures, refreshed every 2 s."""
+    (each sample is copied O(1) times on average). For the live figures, refreshed every 2 s.
+
+    ``add`` takes ``run``, how to run a merge (``run(merge, a, b)``): a merge of millions of samples takes
+    ~100 ms in which numpy releases the GIL, so a gevent process runs it in a native thread and its event
+    loop goes on; None runs it here."""
 
     FOLD_FRACTION = 8  # the small array is folded in once it holds more than 1/8 of the large one
     FOLD_MIN = 4096
+    INLINE_MAX = 65536  # merges up to this many samples are not worth a thread
 
     def __init__(self) -> None:
         self.large = np.empty(0)
@@ -78,15 +83,21 @@ class SortedSamples:
     def __len__(self) -> int:
         return self.large.size + self.small.size
 
-    def add(self, values: Any) -> None:
+    def add(self, values: Any, run: Callable[..., np.ndarray] | None = None) -> None:
         new = np.asarray(values, dtype=float).ravel()
         new = np.sort(new[np.isfinite(new)])
         if new.size == 0:
             return
         self.total += float(new.sum())
-        self.small = _merge(self.small, new)
+        self.small = self._merged(self.small, new, run)
         if self.small.size > max(self.large.size // self.FOLD_FRACTION, self.FOLD_MIN):
-            self.large, self.small = _merge(self.large, self.small), np.empty(0)
+            # One assignment after the merge: a reader in between sees the old arrays, never half of it.
+            self.large, self.small = self._merged(self.large, self.small, run), np.empty(0)
+
+    def _merged(self, a: np.ndarray, b: np.ndarray, run: Callable[..., np.ndarray] | None) -> np.ndarray:
+        if run is None or a.size + b.size <= self.INLINE_MAX:
+            return merge_sorted(a, b)
+        return run(merge_sorted, a, b)
 
     def kths(self, ks: np.ndarray) -> np.ndarray:
         """The k-th smallest samples (0-based) of the union of the two sorted arrays, for each k at once:
@@ -130,7 +141,7 @@ class SortedSamples:
         )
 
 
-def _merge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def merge_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Two sorted arrays as one sorted array, in O(len(a) + len(b))."""
     if a.size == 0:
         return b

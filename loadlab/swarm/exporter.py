@@ -17,7 +17,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, make_wsgi_app
 
 from loadlab.swarm.live import LiveFigures
-from loadlab.swarm.users import off_the_clock
 
 log = logging.getLogger("loadlab")
 
@@ -65,7 +64,7 @@ class LiveCollector:
         live = self.live()
         if live is None:
             return
-        figures = off_the_clock(live.figures)
+        figures = live.figures()
         info = GaugeMetricFamily(
             "loadlab_run_info", "the run these figures are of", labels=["run_id", "profile", "api"]
         )

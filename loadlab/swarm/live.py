@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gevent.lock import Semaphore
 
 from loadlab.analysis.stats import SortedSamples, evaluate_slo, latency_samples, overall_pass
 from loadlab.profile import Profile
@@ -55,9 +57,9 @@ class Scope:
             kind = rec.outcome or "unknown"
             self.failures[kind] = self.failures.get(kind, 0) + 1
 
-    def feed(self, done: list[RequestRecord]) -> np.ndarray:
-        """Adds completed requests' samples (the post-processor's definitions); returns their output
-        token counts."""
+    def feed(self, done: list[RequestRecord], adds: list[tuple[SortedSamples, np.ndarray]]) -> np.ndarray:
+        """Completed requests' samples (the post-processor's definitions), appended to ``adds`` for the
+        caller to merge in; returns their output token counts."""
         samples, out = latency_samples(
             _floats([r.ttft_ms for r in done]),
             _floats([r.e2e_ms for r in done]),
@@ -65,8 +67,7 @@ class Scope:
             [r.arrival_ms for r in done],
             [r.arrival_tokens for r in done],
         )
-        for metric, values in self.samples.items():
-            values.add(samples[metric])
+        adds += [(values, samples[metric]) for metric, values in self.samples.items()]
         self.output_tokens += float(np.nansum(out))
         return out
 
@@ -126,11 +127,29 @@ class ServerTail:
         }
 
 
-class LiveFigures:
-    """The live figures of one run. ``add`` every record as it is recorded (cheap); ``refresh`` before
-    reading; ``figures`` for a snapshot."""
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
-    def __init__(self, profile: Profile, run_dir: Path, tickets):
+
+class LiveFigures:
+    """The live figures of one run: ``add`` every record as it is recorded (cheap), ``figures`` for a
+    snapshot.
+
+    ``lane`` runs the CPU work of a refresh (Locust's users' CPU lane, so that lines already received are
+    timestamped first); ``offload`` runs the merges of large sorted arrays (gevent's thread pool: numpy
+    releases the GIL, the event loop goes on). Both default to running inline."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        run_dir: Path,
+        tickets,
+        lane: Callable[..., Any] = _call,
+        offload: Callable[..., Any] | None = None,
+    ):
+        self.lane = lane
+        self.offload = offload
+        self.lock = Semaphore()  # one refresh at a time (a merge off the loop yields to other viewers)
         dumped = profile.model_dump(mode="json")  # the manifest's profile: what the post-processor reads
         self.api = profile.target.api
         self.run_id = Path(run_dir).name
@@ -160,9 +179,17 @@ class LiveFigures:
 
     def refresh(self) -> None:
         """Turns the queued records into counts and samples."""
+        with self.lock:
+            adds = self.lane(self._ingest)
+            for samples, values in adds:  # outside the lane: a large merge is offloaded
+                samples.add(values, run=self.offload)
+
+    def _ingest(self) -> list[tuple[SortedSamples, np.ndarray]]:
+        """Counts the queued records; returns the new samples to merge in."""
         batch, self.pending = self.pending, []
+        adds: list[tuple[SortedSamples, np.ndarray]] = []
         if not batch:
-            return
+            return adds
         self.records += len(batch)
         measured = []
         for rec in batch:
@@ -185,8 +212,8 @@ class LiveFigures:
                 by_worker.setdefault(rec.served_by, []).append(rec)
         done = [r for r in measured if r.outcome == OK]
         if not done:
-            return
-        out = self.run.feed(done)
+            return adds
+        out = self.run.feed(done, adds)
         for rec, tokens in zip(done, out, strict=True):
             if rec.e2e_ms is not None and np.isfinite(tokens):
                 self.recent.append((rec.t_send_wall + rec.e2e_ms / 1000.0, float(tokens)))
@@ -194,7 +221,8 @@ class LiveFigures:
             for name, recs in groups.items():
                 ok = [r for r in recs if r.outcome == OK]
                 if ok:
-                    scopes[name].feed(ok)
+                    scopes[name].feed(ok, adds)
+        return adds
 
     @staticmethod
     def _scope(scopes: dict[str, Scope], name: str) -> Scope:
@@ -234,15 +262,20 @@ class LiveFigures:
         every REFRESH_S: any number of web UI tabs and scrapers cost one computation."""
         now = time.time() if now is None else now
         self.refresh()
-        if (
-            self._snapshot is not None
-            and self._snapshot_records == self.records
-            and now - self._snapshot_at < REFRESH_S
-        ):
+        with self.lock:
+            if (
+                self._snapshot is None
+                or self._snapshot_records != self.records
+                or now - self._snapshot_at >= REFRESH_S
+            ):
+                self._snapshot = self.lane(self._compute, now)
+                self._snapshot_at, self._snapshot_records = now, self.records
             return self._snapshot
+
+    def _compute(self, now: float) -> dict[str, Any]:
         self.server.read()
         t = self.tickets
-        self._snapshot = {
+        return {
             "now": now,
             "run_id": self.run_id,
             "api": self.api,
@@ -257,8 +290,6 @@ class LiveFigures:
             "server": self.server.figures(),
             "slo": self.slo_verdicts(),
         }
-        self._snapshot_at, self._snapshot_records = now, self.records
-        return self._snapshot
 
     @staticmethod
     def _scope_figures(scope: Scope) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from loadlab.swarm.options import (
 )
 from loadlab.swarm.run import Run
 from loadlab.swarm.session import Session, check_out_dir
-from loadlab.swarm.users import SGLangUser
+from loadlab.swarm.users import SGLangUser, off_the_clock
 from loadlab.swarm.webui import install as install_llm_tab
 from loadlab.swarm.worker import WorkerAgent
 from loadlab.target.probe import TargetError
@@ -130,7 +130,9 @@ def _on_test_start(environment, **_kw):
         gevent.spawn(end_run, environment)
         return
     if context.shows_live:
-        run.live = LiveFigures(session.profile, run.dir, run.tickets)
+        run.live = LiveFigures(
+            session.profile, run.dir, run.tickets, lane=off_the_clock, offload=_in_a_thread
+        )
     context.run = run
     target = session.profile.target
     run.scraper = Scraper(  # its own process: parsing costs CPU
@@ -148,6 +150,12 @@ def _on_test_start(environment, **_kw):
     log.info("loadlab: run directory %s", run.dir)
     gevent.spawn(_stop_when_done, environment, run)
     gevent.spawn(_show_progress, run)
+
+
+def _in_a_thread(fn, *args):
+    """Runs ``fn`` in a native thread of gevent's pool while this greenlet waits and the others run (for
+    numpy work that releases the GIL)."""
+    return gevent.get_hub().threadpool.apply(fn, args)
 
 
 def _freeze_heap() -> None:

@@ -15,7 +15,6 @@ from flask import Response, request, send_file
 
 from loadlab.swarm.exporter import exposition
 from loadlab.swarm.live import LATENCIES, QUANTILES
-from loadlab.swarm.users import off_the_clock
 
 TAB = "llm"
 COLUMNS = (
@@ -102,7 +101,7 @@ def rows(environment) -> list[dict[str, str]]:
     live = getattr(run, "live", None)
     if live is None:
         return [_row("run", "state", value="no run yet: press Start")]
-    return table(off_the_clock(live.figures))
+    return table(live.figures())
 
 
 def _row(scope: str, figure: str, value: str = "", **percentiles: str) -> dict[str, str]:
