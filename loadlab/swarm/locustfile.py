@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import sys
 
@@ -99,7 +100,8 @@ def _show_live_figures(environment) -> None:
             context.metrics_server = MetricsServer(registry, host, opts.metrics_port).start()
         except OSError as e:
             where = f"{host}:{opts.metrics_port}" if host else f"port {opts.metrics_port}"
-            _fail(f"--metrics-port: cannot listen on {where} ({e.strerror or e})", exits.BAD_INPUT)
+            why = os.strerror(e.errno) if e.errno else str(e)
+            _fail(f"--metrics-port: cannot listen on {where} ({why})", exits.BAD_INPUT)
 
 
 @events.test_start.add_listener
