@@ -159,6 +159,8 @@ def table(f: dict[str, Any]) -> list[dict[str, str]]:
     out += _latency_rows("run", run)
     out += _server_rows(f["server"], f["now"])
     out += _slo_rows("run", f["slo"]["run"])
+    # The overall verdict: the run's objectives and every class's.
+    out.append(_row("run", "SLO verdict", verdict_word(f["slo"]["pass"])))
     for name, scope in f["classes"].items():
         label = f"class {name}"
         out.append(_row(label, "requests", _count_line(scope)))
@@ -173,7 +175,6 @@ def table(f: dict[str, Any]) -> list[dict[str, str]]:
         out += _latency_rows(label, scope)
     if len(workers) > MAX_WORKERS_SHOWN:
         out.append(_row("worker", "more", f"{len(workers) - MAX_WORKERS_SHOWN} more workers: see the report"))
-    out.append(_row("run", "SLO verdict", verdict_word(f["slo"]["pass"])))
     return out
 
 
