@@ -64,7 +64,7 @@ class LiveCollector:
         live = self.live()
         if live is None:
             return
-        figures = live.figures()
+        figures = live.figures(fresh=settled(self.environment))
         info = GaugeMetricFamily(
             "loadlab_run_info", "the run these figures are of", labels=["run_id", "profile", "api"]
         )
@@ -105,6 +105,14 @@ class LiveCollector:
             "loadlab_requests_in_flight", "requests sent and not ended", value=figures["in_flight"]
         )
         yield from _slo_families(live, figures["slo"])
+
+
+def settled(environment) -> bool:
+    """The run is not going (stopped, or never started): what the live figures show is final."""
+    runner = getattr(environment, "runner", None)
+    # Locust's STATE_RUNNING and STATE_SPAWNING by value: importing locust monkey-patches the process, and
+    # this module is also used without it (tests, bench/live_figures.py).
+    return runner is None or runner.state not in ("running", "spawning")
 
 
 def _slo_families(live: LiveFigures, slo: dict) -> Iterator[Metric]:

@@ -7,9 +7,9 @@ The web UI's LLM tab (``loadlab.swarm.webui``) and Prometheus' ``/metrics`` (``l
 read them. The definitions are the post-processor's own functions (``loadlab.analysis.stats``) over the
 same records, so when the run has ended the figures equal summary.json's.
 
-Cost: ``add`` only queues the record; ``refresh`` (at most once per ``REFRESH_S`` unless records arrived)
-turns the queued records into samples, merged into sorted arrays in time linear in the new samples
-(amortised), and reads each percentile from them in O(log n): bench/live_figures.py.
+Cost: ``add`` only queues the record; a refresh turns the queued records into samples, merged into sorted
+arrays in time linear in the new samples (amortised), and reads each percentile from them in O(log n), at
+most once per ``REFRESH_S`` while the run goes: bench/live_figures.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from loadlab.records import MEASURE, OK, SERVER_METRICS, RequestRecord
 LATENCIES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_latency_ms": "E2E"}
 QUANTILES = (50, 95, 99)
 RECENT_S = 10.0  # "output tokens/s, last 10 s": requests that ended in this window
-REFRESH_S = 1.0  # a refresh without new records recomputes the time-dependent figures at most this often
+REFRESH_S = 1.0  # the figures are recomputed at most this often while the run goes
 
 
 class Scope:
@@ -257,16 +257,17 @@ class LiveFigures:
             "pass": overall_pass([run["pass"], *(c["pass"] for c in classes.values())]),
         }
 
-    def figures(self, now: float | None = None) -> dict[str, Any]:
-        """A snapshot of every figure (refreshing first). Recomputed when records arrived, else at most
-        every REFRESH_S: any number of web UI tabs and scrapers cost one computation."""
+    def figures(self, now: float | None = None, fresh: bool = False) -> dict[str, Any]:
+        """A snapshot of every figure (refreshing first), recomputed at most every REFRESH_S, so that any
+        number of web UI tabs and scrapers cost one computation; ``fresh``: at once if records arrived
+        since (the run has stopped: the last view must have every record)."""
         now = time.time() if now is None else now
         self.refresh()
         with self.lock:
             if (
                 self._snapshot is None
-                or self._snapshot_records != self.records
                 or now - self._snapshot_at >= REFRESH_S
+                or (fresh and self._snapshot_records != self.records)
             ):
                 self._snapshot = self.lane(self._compute, now)
                 self._snapshot_at, self._snapshot_records = now, self.records
