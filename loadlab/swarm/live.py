@@ -131,6 +131,11 @@ def _call(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
+def _add_all(adds: list[tuple[SortedSamples, np.ndarray]]) -> None:
+    for samples, values in adds:
+        samples.add(values)
+
+
 class LiveFigures:
     """The live figures of one run: ``add`` every record as it is recorded (cheap), ``figures`` for a
     snapshot.
@@ -178,18 +183,23 @@ class LiveFigures:
         self.pending.append(rec)
 
     def refresh(self) -> None:
-        """Turns the queued records into counts and samples."""
+        """Turns the queued records into counts and samples: in short steps through the lane (each one
+        lets the lines that arrived meanwhile be timestamped first), large merges in ``offload``."""
         with self.lock:
-            adds = self.lane(self._ingest)
-            for samples, values in adds:  # outside the lane: a large merge is offloaded
-                samples.add(values, run=self.offload)
+            for scope, done in self.lane(self._count):
+                inline, large = [], []
+                for samples, values in self.lane(self._samples, scope, done):
+                    big = self.offload is not None and samples.copies(values.size) > samples.INLINE_MAX
+                    (large if big else inline).append((samples, values))
+                self.lane(_add_all, inline)
+                for samples, values in large:  # outside the lane: users' bookkeeping need not wait
+                    samples.add(values, run=self.offload)
 
-    def _ingest(self) -> list[tuple[SortedSamples, np.ndarray]]:
-        """Counts the queued records; returns the new samples to merge in."""
+    def _count(self) -> list[tuple[Scope, list[RequestRecord]]]:
+        """Counts the queued records; returns the completed ones of each scope, for their samples."""
         batch, self.pending = self.pending, []
-        adds: list[tuple[SortedSamples, np.ndarray]] = []
         if not batch:
-            return adds
+            return []
         self.records += len(batch)
         measured = []
         for rec in batch:
@@ -197,31 +207,29 @@ class LiveFigures:
             self.requests[key] = self.requests.get(key, 0) + 1
             if rec.phase == MEASURE:
                 measured.append(rec)
-        by_class: dict[str, list[RequestRecord]] = {}
-        by_worker: dict[str, list[RequestRecord]] = {}
+        done: dict[int, tuple[Scope, list[RequestRecord]]] = {id(self.run): (self.run, [])}
         for rec in measured:
             end = rec.t_send_wall + rec.e2e_ms / 1000.0 if rec.e2e_ms is not None else rec.t_send_wall
             start, last = self.window or (rec.t_send_wall, end)
             self.window = (min(start, rec.t_send_wall), max(last, end))
-            self.run.count(rec)
+            scopes = [self.run]
             if rec.request_class is not None:
-                self._scope(self.classes, rec.request_class).count(rec)
-                by_class.setdefault(rec.request_class, []).append(rec)
+                scopes.append(self._scope(self.classes, rec.request_class))
             if rec.served_by is not None:
-                self._scope(self.workers, rec.served_by).count(rec)
-                by_worker.setdefault(rec.served_by, []).append(rec)
-        done = [r for r in measured if r.outcome == OK]
-        if not done:
-            return adds
-        out = self.run.feed(done, adds)
-        for rec, tokens in zip(done, out, strict=True):
-            if rec.e2e_ms is not None and np.isfinite(tokens):
-                self.recent.append((rec.t_send_wall + rec.e2e_ms / 1000.0, float(tokens)))
-        for scopes, groups in ((self.classes, by_class), (self.workers, by_worker)):
-            for name, recs in groups.items():
-                ok = [r for r in recs if r.outcome == OK]
-                if ok:
-                    scopes[name].feed(ok, adds)
+                scopes.append(self._scope(self.workers, rec.served_by))
+            for scope in scopes:
+                scope.count(rec)
+                if rec.outcome == OK:
+                    done.setdefault(id(scope), (scope, []))[1].append(rec)
+        return [(scope, recs) for scope, recs in done.values() if recs]
+
+    def _samples(self, scope: Scope, done: list[RequestRecord]) -> list[tuple[SortedSamples, np.ndarray]]:
+        adds: list[tuple[SortedSamples, np.ndarray]] = []
+        out = scope.feed(done, adds)
+        if scope is self.run:
+            for rec, tokens in zip(done, out, strict=True):
+                if rec.e2e_ms is not None and np.isfinite(tokens):
+                    self.recent.append((rec.t_send_wall + rec.e2e_ms / 1000.0, float(tokens)))
         return adds
 
     @staticmethod
@@ -269,13 +277,13 @@ class LiveFigures:
                 or now - self._snapshot_at >= REFRESH_S
                 or (fresh and self._snapshot_records != self.records)
             ):
-                self._snapshot = self.lane(self._compute, now)
+                self._snapshot = self._compute(now)
                 self._snapshot_at, self._snapshot_records = now, self.records
             return self._snapshot
 
     def _compute(self, now: float) -> dict[str, Any]:
-        self.server.read()
-        t = self.tickets
+        """Every figure, a step through the lane per scope."""
+        lane, t = self.lane, self.tickets
         return {
             "now": now,
             "run_id": self.run_id,
@@ -283,14 +291,18 @@ class LiveFigures:
             "warmup": (t.warmup_finished, t.warmup),
             "measured": (t.measured_finished, t.total - t.warmup),
             "in_flight": t.in_flight(now),
-            "run": self._scope_figures(self.run),
-            "classes": {name: self._scope_figures(s) for name, s in self.classes.items()},
-            "workers": {name: self._scope_figures(s) for name, s in sorted(self.workers.items())},
+            "run": lane(self._scope_figures, self.run),
+            "classes": {name: lane(self._scope_figures, s) for name, s in self.classes.items()},
+            "workers": {name: lane(self._scope_figures, s) for name, s in sorted(self.workers.items())},
             "output_throughput": self.output_throughput(),
             "recent_output_throughput": self.recent_throughput(now),
-            "server": self.server.figures(),
-            "slo": self.slo_verdicts(),
+            "server": lane(self._server_figures),
+            "slo": lane(self.slo_verdicts),
         }
+
+    def _server_figures(self) -> dict[str, Any]:
+        self.server.read()
+        return self.server.figures()
 
     @staticmethod
     def _scope_figures(scope: Scope) -> dict[str, Any]:

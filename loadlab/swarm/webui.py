@@ -101,7 +101,7 @@ def rows(environment) -> list[dict[str, str]]:
     live = getattr(run, "live", None)
     if live is None:
         return [_row("run", "state", value="no run yet: press Start")]
-    return table(live.figures(fresh=settled(environment)))
+    return live.lane(table, live.figures(fresh=settled(environment)))
 
 
 def _row(scope: str, figure: str, value: str = "", **percentiles: str) -> dict[str, str]:
