@@ -19,7 +19,7 @@ from loadlab.profile import validate_profile
 from loadlab.records import MEASURE, SERVER_METRICS, WARMUP, RecordWriter, RequestRecord
 from loadlab.swarm.exporter import BUCKETS_S, HISTOGRAMS, LiveCollector, exposition
 from loadlab.swarm.live import LiveFigures, ServerTail
-from loadlab.swarm.webui import ms, table
+from loadlab.swarm.webui import ms, shown, table
 
 QS = [0, 1, 50, 90, 95, 99, 99.9, 100]
 
@@ -250,3 +250,12 @@ def test_in_flight_counts_only_due_tickets():
     second = opened.take_ready(100.0)
     assert (first.due, second.due) == (100.0, pytest.approx(101.0))
     assert opened.in_flight(100.5) == 1 and opened.in_flight(101.5) == 2
+
+
+def test_the_tab_shows_no_credentials():
+    assert shown("http://user:s3cret@gpu-box:30000/x") == "http://gpu-box:30000/x"
+    assert (
+        shown("GET /metrics: <urlopen error https://a:b@h:1 refused>")
+        == "GET /metrics: <urlopen error https://h:1 refused>"
+    )
+    assert shown("http://127.0.0.1:30000") == "http://127.0.0.1:30000"

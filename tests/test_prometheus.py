@@ -165,3 +165,11 @@ def test_the_grafana_dashboard_plots_only_exported_metrics():
         "sglang:token_usage",
     } <= read
     assert {"loadlab_ttft_seconds_bucket", "loadlab_requests_in_flight", "loadlab_slo_attainment"} <= read
+
+
+def test_every_metric_is_documented():
+    from loadlab.swarm.exporter import METRIC_NAMES
+
+    text = (REPO / "docs" / "web-ui.md").read_text()
+    missing = [name for name in METRIC_NAMES if f"`{name}`" not in text]
+    assert not missing, f"docs/web-ui.md does not document {missing}"

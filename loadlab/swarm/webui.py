@@ -9,6 +9,7 @@ master's figures are the whole run's. docs/web-ui.md.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from flask import Response, request, send_file
@@ -88,6 +89,11 @@ def run_file(environment, name: str):
     return send_file(
         path, mimetype=content_type, as_attachment=attachment, download_name=f"{run.run_id}-{name}", max_age=0
     )
+
+
+def shown(text: str) -> str:
+    """A URL or message as the tab shows it: without credentials (``http://user:secret@host``)."""
+    return re.sub(r"(\w+://)[^/@\s]+@", r"\1", text)
 
 
 def _not_found(why: str) -> Response:
@@ -170,7 +176,7 @@ def table(f: dict[str, Any]) -> list[dict[str, str]]:
     # One worker's rows would repeat the run's: shown only when several served the run.
     workers = list(f["workers"].items()) if len(f["workers"]) > 1 else []
     for name, scope in workers[:MAX_WORKERS_SHOWN]:
-        label = f"worker {name}"
+        label = f"worker {shown(name)}"
         out.append(_row(label, "requests", _count_line(scope)))
         out += _latency_rows(label, scope)
     if len(workers) > MAX_WORKERS_SHOWN:
@@ -188,7 +194,7 @@ def _server_rows(server: dict[str, Any], now: float) -> list[dict[str, str]]:
     if not server["servers"]:
         return [_row("server", "/metrics", "not scraped yet")]
     if server["running"] is None and server["errors"]:
-        return [_row("server", "/metrics", next(iter(server["errors"].values())))]
+        return [_row("server", "/metrics", shown(next(iter(server["errors"].values()))))]
 
     def n(value: float | None) -> str:
         return "?" if value is None else f"{value:g}"
@@ -202,5 +208,5 @@ def _server_rows(server: dict[str, Any], now: float) -> list[dict[str, str]]:
         detail = "" if len(kv) == 1 else f" (highest of {len(kv)} servers)"
         out.append(_row("server", "KV cache usage", f"{server['max_kv_usage']:.1%}{detail}"))
     for url, error in server["errors"].items():
-        out.append(_row("server", f"/metrics of {url}", error))
+        out.append(_row("server", f"/metrics of {shown(url)}", shown(error)))
     return out
