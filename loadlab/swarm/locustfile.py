@@ -150,6 +150,8 @@ def _on_test_start(environment, **_kw):
         run.monitor = ClientMonitor().start()
         run.tickets.on_measure_start = run.monitor.reset  # calibrate the measured phase only
     log.info("loadlab: run directory %s", run.dir)
+    if run.live is not None:
+        gevent.spawn(_keep_live_figures, run)
     gevent.spawn(_stop_when_done, environment, run)
     gevent.spawn(_show_progress, run)
 
@@ -169,6 +171,15 @@ def _freeze_heap() -> None:
 
 
 PROGRESS_EVERY_S = 10.0
+LIVE_EVERY_S = 2.0  # the web UI's poll
+
+
+def _keep_live_figures(run: Run) -> None:
+    """Turns the records queued for the live figures into samples every 2 s, also while nobody looks (a
+    closed browser tab): the queue stays short and each refresh small."""
+    while not run.finalized:
+        gevent.sleep(LIVE_EVERY_S)
+        run.live.refresh()
 
 
 def _show_progress(run: Run) -> None:
