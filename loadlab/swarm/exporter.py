@@ -37,7 +37,7 @@ HISTOGRAMS = {
     "itl_ms": ("loadlab_itl_seconds", "inter-token latency, one sample per token"),
     "e2e_latency_ms": ("loadlab_e2e_seconds", "end-to-end latency of completed measured requests"),
 }
-# Every name /metrics can show (tests/test_grafana.py checks the dashboard against it).
+# Every name /metrics can show (tests/test_prometheus.py checks the dashboard and docs/web-ui.md against it).
 METRIC_NAMES = (
     *(name for name, _ in HISTOGRAMS.values()),
     "loadlab_output_tokens_total",
