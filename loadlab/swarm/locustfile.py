@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import os
 import signal
 import sys
 
@@ -20,13 +21,16 @@ from loadlab import exits
 from loadlab.profile import ProfileError
 from loadlab.swarm.calibration import ClientMonitor
 from loadlab.swarm.context import LoadlabContext
+from loadlab.swarm.exporter import MetricsServer, registry_for
+from loadlab.swarm.live import LiveFigures
 from loadlab.swarm.master import Coordinator
 from loadlab.swarm.options import (
     add_loadlab_arguments,
 )
 from loadlab.swarm.run import Run
 from loadlab.swarm.session import Session, check_out_dir
-from loadlab.swarm.users import SGLangUser
+from loadlab.swarm.users import SGLangUser, off_the_clock
+from loadlab.swarm.webui import install as install_llm_tab
 from loadlab.swarm.worker import WorkerAgent
 from loadlab.target.probe import TargetError
 from loadlab.target.scraper import Scraper
@@ -61,7 +65,12 @@ def _on_init(environment, runner, **_kw):
         except ProfileError as e:
             _fail(str(e), exits.BAD_INPUT)
         context.agent = WorkerAgent(environment)
+        if environment.parsed_options.metrics_port is not None:
+            log.info(
+                "loadlab: --metrics-port is served by the master (it holds the run's figures), not workers"
+            )
         return
+    _show_live_figures(environment)  # first: a port that is taken fails before the target starts
     try:
         context.session = Session(environment)
     except ConfigError as e:  # the profile, or the cluster file it names
@@ -72,6 +81,28 @@ def _on_init(environment, runner, **_kw):
         context.coordinator = Coordinator(environment, on_failure=lambda: end_run(environment))
         # Users of a worker that dies are started again on the others (Locust's rebalancing).
         environment.parsed_options.enable_rebalancing = True
+
+
+def _show_live_figures(environment) -> None:
+    """The live figures' consumers in this process: the LLM tab and /metrics in the web UI, when there is
+    one, and --metrics-port's own HTTP server (headless runs and masters have no web UI)."""
+    context = environment.loadlab
+    opts = environment.parsed_options
+    if environment.web_ui is None and opts.metrics_port is None:
+        return
+    registry = registry_for(environment)
+    if environment.web_ui is not None:
+        install_llm_tab(environment, registry)
+        context.web_ui = True
+    if opts.metrics_port is not None:
+        host = opts.metrics_host if opts.metrics_host is not None else opts.web_host
+        host = "" if host == "*" else host  # Locust's spelling of all interfaces
+        try:
+            context.metrics_server = MetricsServer(registry, host, opts.metrics_port).start()
+        except OSError as e:
+            where = f"{host}:{opts.metrics_port}" if host else f"port {opts.metrics_port}"
+            why = os.strerror(e.errno) if e.errno else str(e)
+            _fail(f"--metrics-port: cannot listen on {where} ({why})", exits.BAD_INPUT)
 
 
 @events.test_start.add_listener
@@ -102,6 +133,10 @@ def _on_test_start(environment, **_kw):
         context.run = None
         gevent.spawn(end_run, environment)
         return
+    if context.shows_live:
+        run.live = LiveFigures(
+            session.profile, run.dir, run.tickets, lane=off_the_clock, offload=_in_a_thread
+        )
     context.run = run
     run.on_refused = functools.partial(_refused, environment)
     target = session.profile.target
@@ -118,8 +153,16 @@ def _on_test_start(environment, **_kw):
         run.monitor = ClientMonitor().start()
         run.tickets.on_measure_start = run.monitor.reset  # calibrate the measured phase only
     log.info("loadlab: run directory %s", run.dir)
+    if run.live is not None:
+        gevent.spawn(_keep_live_figures, run)
     gevent.spawn(_stop_when_done, environment, run)
     gevent.spawn(_show_progress, run)
+
+
+def _in_a_thread(fn, *args):
+    """Runs ``fn`` in a native thread of gevent's pool while this greenlet waits and the others run (for
+    numpy work that releases the GIL)."""
+    return gevent.get_hub().threadpool.apply(fn, args)
 
 
 def _freeze_heap() -> None:
@@ -131,6 +174,15 @@ def _freeze_heap() -> None:
 
 
 PROGRESS_EVERY_S = 10.0
+LIVE_EVERY_S = 2.0  # the web UI's poll
+
+
+def _keep_live_figures(run: Run) -> None:
+    """Turns the records queued for the live figures into samples every 2 s, also while nobody looks (a
+    closed browser tab): the queue stays short and each refresh small."""
+    while not run.finalized:
+        gevent.sleep(LIVE_EVERY_S)
+        run.live.refresh()
 
 
 def _show_progress(run: Run) -> None:

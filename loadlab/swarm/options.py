@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from loadlab import exits
-from loadlab.cliargs import non_negative, positive
+from loadlab.cliargs import non_negative, port, positive
 from loadlab.profile import APIS, CLI_OVERRIDES, parse_set_option
 
 DEFAULT_PROFILE = "profiles/default.yaml"
@@ -23,6 +23,8 @@ PASSED_THROUGH = (
     "client_limit_cpu",
     "strict",
     "target_wait",
+    "metrics_port",
+    "metrics_host",
 )  # loadlab run -> Locust, not profile keys
 DEFAULT_OUT = "reports"
 
@@ -63,6 +65,12 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
         help="client-bound when a load generator's mean CPU passes this fraction of a core")  # fmt: skip
     add("--strict", action="store_true", default=False,
         help=f"exit {exits.CLIENT_BOUND} when the run is client-bound (its figures are suspect)")  # fmt: skip
+    # Off by default: a port opened by every run would collide between runs on one machine; the web UI
+    # serves /metrics on its own port anyway.
+    add("--metrics-port", type=port, default=None, metavar="PORT",
+        help="serve the live figures for Prometheus at http://HOST:PORT/metrics (a one-process run or a master)")  # fmt: skip
+    add("--metrics-host", default=None, metavar="HOST",
+        help="the address --metrics-port listens on (default: Locust's --web-host, all interfaces)")  # fmt: skip
     add(
         "--set",
         action="append",

@@ -27,8 +27,10 @@ from loadlab.manifest import (
 from loadlab.profile import API_PATHS, Profile, api_key_source, redact
 from loadlab.records import (
     OK,
+    RECORD_FIELDS,
     SPILL_DIR,
     RecordWriter,
+    RequestRecord,
     default_run_name,
     merge_spills,
     read_jsonl_records,
@@ -85,14 +87,15 @@ class Run:
         self.calibration: dict[str, Any] | None = None
         self.scraper = None  # the target's /metrics scraper process (loadlab.target.scraper)
         self.client_limits = (DEFAULT_LIMIT_MS, DEFAULT_LIMIT_CPU)
+        self.live = None  # loadlab.swarm.live.LiveFigures, when the web UI or --metrics-port shows them
         self.finalized = False
         # A request the target refused for want of credentials (a gateway that lets the probe through):
         # every other request would be refused too, so the run stops (on_refused) with this line.
         self.refused: str | None = None
         self.on_refused = None
-        self.summary: Summary | None = (
-            None  # the report's summary, once finalized (the console block prints it)
-        )
+        # The report's summary once summary.md, report.html and records.parquet are written (the console
+        # block prints it; the web UI's Download Data serves the files).
+        self.summary: Summary | None = None
         self.manifest = Manifest(
             run_id=self.run_id,
             profile_path=profile_path,
@@ -124,6 +127,8 @@ class Run:
             if self.on_refused is not None:
                 self.on_refused(self.refused)
         self.indices.add(rec.index)
+        if self.live is not None:
+            self.live.add(rec)
         self.outcomes[rec.outcome] = self.outcomes.get(rec.outcome, 0) + 1
         if self.lost.pop(rec.index, None) is None:  # a request given up as lost is already counted
             self.tickets.finished(rec.phase)
@@ -228,6 +233,8 @@ class Run:
             else:
                 self.tickets.finished(row["phase"])
             self.outcomes[row["outcome"]] = self.outcomes.get(row["outcome"], 0) + 1
+            if self.live is not None:  # so the live figures end equal to the report's
+                self.live.add(RequestRecord(**{k: v for k, v in row.items() if k in RECORD_FIELDS}))
         spill = self.dir / SPILL_DIR
         if spill.is_dir():
             for path in spill.glob("*.jsonl"):
