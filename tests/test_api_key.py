@@ -10,7 +10,9 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -87,6 +89,8 @@ def get(url: str, headers: dict[str, str] | None = None, body: bytes | None = No
             return resp.status, resp.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+    except OSError:  # not listening (yet)
+        return 0, b""
 
 
 GENERATE = json.dumps({"text": "hello there", "sampling_params": {"max_new_tokens": 3}}).encode()
@@ -369,3 +373,43 @@ def test_a_sweeps_secured_server_is_ready_when_it_answers(tmp_path, monkeypatch)
         assert get(f"http://127.0.0.1:{port}/server_info")[0] == 401
     finally:
         server.stop()
+
+
+def test_the_web_ui_never_shows_the_key(tmp_path):
+    """Locust's web UI with the run's key in the environment and the default profile's embedded twin, which
+    then requires that key: a run from the form completes, and neither the UI's page (its options), its
+    statistics, the LLM tab, /metrics nor the run's files offered there hold the key."""
+    key = new_key()
+    port = free_port()
+    proc = subprocess.Popen(
+        [*[sys.executable, "-m", "locust"], "-f", "locustfile.py", "--web-host", "127.0.0.1", "--web-port",
+         str(port), "--out", str(tmp_path / "out"), "--num-requests", "8", "--warmup-requests", "0",
+         "--output-len", "8"],
+        cwd=REPO, env=clean_env(**{API_KEY_ENV: key}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    pages: list[bytes] = []
+    try:
+        deadline = time.monotonic() + 30
+        while get(base + "/stats/requests")[0] != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, "the web UI did not come up"
+            time.sleep(0.3)
+        form = urllib.parse.urlencode({"user_count": 4, "spawn_rate": 4}).encode()
+        with urllib.request.urlopen(base + "/swarm", data=form, timeout=5) as resp:
+            assert json.loads(resp.read())["success"] is True
+        deadline = time.monotonic() + 60
+        while get(base + "/loadlab/files/summary.md")[0] != 200:  # written when the run ends
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not end"
+            time.sleep(0.3)
+        for path in ("/", "/stats/requests", "/metrics", "/loadlab/files/summary.md", "/stats/requests/csv",
+                     "/exceptions", "/stats/failures/csv"):  # fmt: skip
+            status, body = get(base + path)
+            assert status == 200, path
+            pages.append(body)
+        stats = json.loads(pages[1])["stats"]
+        assert any(s["name"] == "TTFT" and s["num_requests"] == 8 for s in stats), stats  # the key was sent
+    finally:
+        proc.terminate()
+        stdout, stderr = proc.communicate(timeout=30)
+    assert not [p for p in pages if key.encode() in p]
+    assert_nowhere(key, [tmp_path / "out"], stdout, stderr)
