@@ -238,6 +238,7 @@ def test_the_images_entrypoint_runs_locust_for_a_command_that_starts_with_a_flag
     dockerfile = (REPO / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["loadlab-entrypoint"]' in dockerfile
     assert "COPY deploy/docker-entrypoint.sh /usr/local/bin/loadlab-entrypoint" in dockerfile
+    assert "deploy" not in (REPO / ".dockerignore").read_text().split()  # in the build context
     script = REPO / "deploy" / "docker-entrypoint.sh"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     flag = subprocess.run(
