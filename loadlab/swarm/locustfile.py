@@ -30,6 +30,7 @@ from loadlab.swarm.options import (
 from loadlab.swarm.run import Run
 from loadlab.swarm.session import Session, check_out_dir
 from loadlab.swarm.users import SGLangUser, off_the_clock
+from loadlab.swarm.weblogin import WebLoginError, check_and_install
 from loadlab.swarm.webui import install as install_llm_tab
 from loadlab.swarm.worker import WorkerAgent
 from loadlab.target.probe import TargetError
@@ -70,6 +71,11 @@ def _on_init(environment, runner, **_kw):
                 "loadlab: --metrics-port is served by the master (it holds the run's figures), not workers"
             )
         return
+    if environment.web_ui is not None:  # before anything starts: an exposed UI needs a login
+        try:
+            check_and_install(environment.web_ui, environment.parsed_options)
+        except WebLoginError as e:
+            _fail(str(e), exits.BAD_INPUT)
     _show_live_figures(environment)  # first: a port that is taken fails before the target starts
     try:
         context.session = Session(environment)

@@ -41,6 +41,12 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
 
     if locust:
         add("--profile-file", default=DEFAULT_PROFILE, metavar="PATH", help="loadlab profile (YAML)")
+        # The web UI's login (Locust's --web-login turns it on): docs/web-ui.md, "Login".
+        add("--web-login-file", default=None, metavar="PATH",
+            help="a file holding the web UI's user:password (or set LOADLAB_WEB_LOGIN=user:password)")  # fmt: skip
+        add("--web-ui-open", action="store_true", default=False,
+            help="let the web UI listen beyond loopback without a login: anyone who reaches it can start load "
+            "against any host")  # fmt: skip
     add("--api", choices=APIS, default=None, help="SGLang API: native /generate or OpenAI completions/chat")
     add("--concurrency", type=positive(int), default=None, help="requests held in flight (Locust's -u wins)")
     add("--num-requests", type=positive(int), default=None, help="measured requests")
