@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -167,9 +168,11 @@ def test_the_masters_and_the_workers_fit(rendered):
     # The UI's master is the same container without --headless (and without a run size to wait for).
     deployment = container(find(ui, "Deployment", "loadlab-master"))
     assert [*deployment["command"], *deployment["args"]] == ["locust", "-f", "locustfile.py", "--master",
-                                                             "--master-bind-port", "5557"]  # fmt: skip
-    for key in ("image", "env", "volumeMounts", "ports", "resources", "securityContext"):
+                                                             "--master-bind-port", "5557", "--web-login"]  # fmt: skip
+    for key in ("image", "volumeMounts", "ports", "resources", "securityContext"):
         assert job[key] == deployment[key], key
+    login = [e for e in deployment["env"] if e["name"] == "LOADLAB_WEB_LOGIN"]
+    assert job["env"] == [e for e in deployment["env"] if e not in login]  # the UI's login besides
     # Both aim at the twin's Service, on the port it exposes.
     env = {e["name"]: e.get("value") for e in job["env"]}
     sim = find(headless, "Service", "loadlab-sim")
@@ -197,6 +200,56 @@ def test_the_api_key_comes_from_a_secret_as_env_never_args(rendered):
             assert not any("key" in a.lower() for a in [*c.get("command", []), *c.get("args", [])]), c
             assert not any("KEY" in e["name"] and "value" in e for e in c["env"]), c["env"]
     assert not any(o["kind"] == "Secret" for objs in rendered.values() for o in objs)  # made by the user
+
+
+def test_the_web_ui_binds_with_a_login_by_default(rendered, tmp_path):
+    """The ui overlay's UI listens on every interface of its pod (the Service must reach it), so it runs with
+    --web-login and its user:password from the Secret loadlab-web-login (required: no Secret, no pod); run
+    here, its command asks for the login, and refuses to start in one line without the credentials."""
+    objs = rendered["overlays/ui"]
+    master = container(find(objs, "Deployment", "loadlab-master"))
+    assert "--web-login" in master["args"]
+    assert not {"--web-host", "--web-ui-open"} & set(master["args"])  # Locust's default: every interface
+    (login,) = [e for e in master["env"] if e["name"] == "LOADLAB_WEB_LOGIN"]
+    assert login["valueFrom"]["secretKeyRef"] == {"name": "loadlab-web-login", "key": "login"}  # not optional
+    pods = LocalPods(objs, tmp_path, {("loadlab-web-login", "login"): "admin:k8s-Sesame-77", SECRET: "lk-x"})
+    argv, env = pods.argv_env("Deployment", "loadlab-master")
+    web_port = pods.ports[8089]
+    # Here only: the UI and the master's port on loopback (in its pod they listen on every interface).
+    env.update(
+        LOCUST_WEB_HOST="127.0.0.1", LOCUST_WEB_PORT=str(web_port), LOCUST_MASTER_BIND_HOST="127.0.0.1"
+    )
+    proc = None
+    try:
+        pods.start("Deployment", "loadlab-sim")  # the master probes its target at start
+        sim_port = pods.ports[find(objs, "Service", "loadlab-sim")["spec"]["ports"][0]["port"]]
+        pods.wait_ready("loadlab-sim", f"http://127.0.0.1:{sim_port}/health")
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the UI did not come up"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{web_port}/", timeout=2) as resp:
+                    landed = resp.geturl()
+                break
+            except OSError:
+                time.sleep(0.3)
+        assert urllib.parse.urlsplit(landed).path == "/login", landed  # the start form wants the login first
+        proc.terminate()
+        proc.communicate(timeout=30)
+        del env["LOADLAB_WEB_LOGIN"]  # the Secret missing its value
+        refused = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        pods.stop()
+    assert refused.returncode == 2
+    assert [line for line in refused.stderr.splitlines() if line.startswith("loadlab: ")] == [
+        "loadlab: --web-login: no credentials: set LOADLAB_WEB_LOGIN=user:password in the environment or give "
+        "--web-login-file PATH (never on the command line)"
+    ]
 
 
 def test_the_profiles_configmap_is_the_folder_it_is_made_from(rendered):
@@ -265,7 +318,7 @@ class LocalPods:
         self.procs: dict[str, list[subprocess.Popen]] = {}
         self.logs: list[Path] = []
 
-    def _volume_dirs(self, pod: dict, name: str) -> dict[str, Path]:
+    def _volume_dirs(self, pod: dict, name: str, replica: int) -> dict[str, Path]:
         """mountPath -> the local directory standing for the volume."""
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         out = {}
@@ -278,7 +331,10 @@ class LocalPods:
                 local.mkdir(exist_ok=True)
                 for key, text in cm["data"].items():
                     (local / key).write_text(text)
-            else:  # a PersistentVolumeClaim or an emptyDir
+            elif "emptyDir" in volume:  # each pod's own
+                local = self.tmp_path / f"{name}-{replica}-{mount['name']}"
+                local.mkdir(exist_ok=True)
+            else:  # a PersistentVolumeClaim
                 local = self.tmp_path / f"{name}-{mount['name']}"
                 local.mkdir(exist_ok=True)
             out[mount["mountPath"]] = local
@@ -302,11 +358,11 @@ class LocalPods:
             return str(self.ports[int(value)])
         return value
 
-    def argv_env(self, kind: str, name: str) -> tuple[list[str], dict[str, str]]:
+    def argv_env(self, kind: str, name: str, replica: int = 0) -> tuple[list[str], dict[str, str]]:
         obj = find(self.objs, kind, name)
         pod = obj["spec"]["template"]["spec"]
         c = container(obj)
-        mounts = self._volume_dirs(pod, name)
+        mounts = self._volume_dirs(pod, name, replica)
         program = {"locust": [sys.executable, "-m", "locust"], "loadlab": [sys.executable, "-m", "loadlab"]}
         command = [*c.get("command", []), *c.get("args", [])]
         argv = [*program[command[0]], *(self._local_path(self._rewrite(a), mounts) for a in command[1:])]
@@ -325,12 +381,10 @@ class LocalPods:
         return argv, env
 
     def start(self, kind: str, name: str, replicas: int = 1) -> None:
-        argv, env = self.argv_env(kind, name)
-        if name == "loadlab-master":
-            env["LOCUST_MASTER_BIND_HOST"] = (
-                "127.0.0.1"  # here only: in its pod it listens on every interface
-            )
         for n in range(replicas):
+            argv, env = self.argv_env(kind, name, n)
+            if name == "loadlab-master":
+                env["LOCUST_MASTER_BIND_HOST"] = "127.0.0.1"  # here only: in its pod it listens everywhere
             log = self.tmp_path / f"{name}-{n}.log"
             self.logs.append(log)
             with open(log, "wb") as f:
