@@ -1,18 +1,20 @@
 """The twin in virtual time: the same scheduler as the server, on a simulated clock, with a client model.
 
 ``run_virtual(profile, sim_settings, out_root)`` runs a profile's requests (``build_workload(profile)``,
-token ids = ``spec.input_ids``) against the twin and writes the same run directory a real run writes:
+token ids as the native API sends them; a conversation's turns with their session's history, the twin's
+replies fed back) against the twin and writes the same run directory a real run writes:
 ``records.jsonl`` / ``records.parquet`` (one ``RequestRecord`` per request, times from the simulated
 clock), ``manifest.json`` (a ``Manifest`` as ``loadlab run`` writes it, plus ``virtual: true``, the twin's
 settings and ``virtual_stats``) and ``summary.json`` / ``summary.md``. ``loadlab report`` works on it unchanged.
 
 Client models (``profile.load``):
 
-- closed loop: ``concurrency`` requests in flight; a new one is sent the moment one finishes.
+- closed loop: ``concurrency`` requests in flight; a new one is sent the moment one finishes. A
+  conversation's user holds a whole session: its next turn goes out ``think_time_s`` after a reply ends.
 - open loop: requests arrive at ``rate`` per second (Poisson or constant spacing: ``loadlab.load``'s
   arrivals, the same due times as a real run), whatever the server does; with an explicit ``concurrency`` at most that many are in flight
   (later arrivals wait client-side, as bench_serving's ``--max-concurrency``; ``t_scheduled_wall`` is when
-  a send was due).
+  a send was due). A conversation's sessions arrive at ``rate``, and the cap counts sessions.
 
 Warm-up then measured, as a real run: indices ``0..warmup-1`` are warm-up; measured requests are sent only
 once every warm-up request has finished (the open-loop arrival clock starts again at that moment).
