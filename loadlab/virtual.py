@@ -279,7 +279,8 @@ class VirtualRun:
         return live
 
     def _send(self, t: float, index: int, phase: str, due: float | None) -> None:
-        # A ticket's later turns are pushed with no due time: the session already holds its user.
+        # A ticket starts at a session's first turn (a multiple of turns); its later turns never wait for the
+        # cap: the session holds its user until its last turn ends.
         if index % self._turns == 0:
             if self.open_loop and self.cap is not None and self.holding >= self.cap:
                 self._waiting_sends.append((index, phase, due if due is not None else t))
