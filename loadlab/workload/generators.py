@@ -83,7 +83,8 @@ class WorkloadGenerator:
         """The request spec for ``index`` (>= 0): a pure function of (workload, seed, index)."""
         if isinstance(index, bool) or not isinstance(index, int | np.integer) or index < 0:
             raise ValueError(f"request index must be a non-negative integer (got {index!r})")
-        return self._spec(int(index))
+        spec = self._spec(int(index))
+        return spec if self.config.ignore_eos else dataclasses.replace(spec, ignore_eos=False)
 
     def specs(self, indices: Iterable[int]) -> Iterator[RequestSpec]:
         for i in indices:
@@ -342,6 +343,13 @@ class RandomPrefixGenerator(WorkloadGenerator):
 _GENERATORS: dict[str, type[WorkloadGenerator]] = {
     g.kind: g for g in (RagGenerator, SharedPrefixGenerator, RandomPrefixGenerator)
 }
+
+
+def register(generator: type[WorkloadGenerator]) -> type[WorkloadGenerator]:
+    """Adds a workload kind defined in a module of its own (it imports this one, so this one cannot import
+    it; ``loadlab.workload`` imports every such module, so the kind is known wherever a workload is built)."""
+    _GENERATORS[generator.kind] = generator
+    return generator
 
 
 def quotas(shares: list[float], n: int) -> list[int]:
