@@ -71,6 +71,28 @@ class TargetConfig(_Strict):
     metrics_urls: list[str] | None = Field(
         None, description="servers whose /metrics are scraped; default: url"
     )
+    # Where the target's API key is (never the key itself: the resolved profile is recorded in the
+    # manifest). Neither: the variable LOADLAB_API_KEY when it is set, else no key (read_api_key).
+    api_key_env: str | None = Field(None, description="environment variable holding the target's API key")
+    api_key_file: str | None = Field(
+        None, description="file holding the target's API key (relative to the profile)"
+    )
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, name: str | None) -> str | None:
+        if name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"the name of an environment variable, e.g. SGLANG_API_KEY (got {name!r})")
+        return name
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _one_key_source(cls, path: str | None, info: ValidationInfo) -> str | None:
+        if path is not None and not path:
+            raise ValueError("the path of a file holding the key")
+        if path is not None and info.data.get("api_key_env") is not None:
+            raise ValueError("give api_key_env or api_key_file, not both")
+        return path
 
     @field_validator("cluster")
     @classmethod
@@ -163,7 +185,31 @@ class SloConfig(_Strict):
     e2e_p95_ms: float | None = Field(None, gt=0)
 
 
-class RagWorkloadConfig(_Strict):
+def _check_length_ranges(config: BaseModel, names: tuple[str, ...], at_least: dict[str, int]) -> None:
+    """Each ``name`` is fixed or drawn from ``name_range`` ([low, high], inclusive): one must be set, the range
+    must be ordered, and ``at_least`` gives a smallest length."""
+    for name in names:
+        rng = getattr(config, f"{name}_range")
+        if rng is not None and rng[0] > rng[1]:
+            raise ValueError(f"{name}_range must be [low, high] with low <= high (got {list(rng)})")
+        if rng is None and getattr(config, name) is None:
+            raise ValueError(f"set {name} or {name}_range")
+        least = at_least.get(name, 1)
+        if rng is None and getattr(config, name) < least:
+            raise ValueError(f"{name} must be at least {least} (the first two tokens make prompts unique)")
+        if rng is not None and rng[0] < least:
+            raise ValueError(f"{name}_range must start at {least} or more")
+
+
+class _WorkloadBase(_Strict):
+    """What every workload kind has."""
+
+    # SGLang's sampling parameter: true (bench_serving's choice) runs every request to max_new_tokens; false
+    # lets the model stop at its EOS (the twin: at a length drawn by its --eos-len-dist, docs/twin.md).
+    ignore_eos: StrictBool = Field(True, description="run every request to max_new_tokens (no early EOS)")
+
+
+class RagWorkloadConfig(_WorkloadBase):
     kind: Literal["rag"]
     input_len: PositiveInt = 1024
     output_len: PositiveInt = 256
@@ -188,7 +234,7 @@ class RagWorkloadConfig(_Strict):
         return self
 
 
-class SharedPrefixWorkloadConfig(_Strict):
+class SharedPrefixWorkloadConfig(_WorkloadBase):
     kind: Literal["shared_prefix"]
     num_groups: PositiveInt = 16
     # round_robin: request i is of group i % num_groups; random: a seeded draw per request (bench_serving
@@ -199,7 +245,7 @@ class SharedPrefixWorkloadConfig(_Strict):
     output_len: PositiveInt = 256
 
 
-class RandomPrefixWorkloadConfig(_Strict):
+class RandomPrefixWorkloadConfig(_WorkloadBase):
     kind: Literal["random_prefix"]
     input_len: PositiveInt | None = 512
     input_len_range: tuple[PositiveInt, PositiveInt] | None = None  # drawn uniformly, inclusive
@@ -208,21 +254,33 @@ class RandomPrefixWorkloadConfig(_Strict):
 
     @model_validator(mode="after")
     def _ranges(self):
-        for name in ("input_len", "output_len"):
-            rng = getattr(self, f"{name}_range")
-            if rng is not None and rng[0] > rng[1]:
-                raise ValueError(f"{name}_range must be [low, high] with low <= high (got {list(rng)})")
-            if rng is None and getattr(self, name) is None:
-                raise ValueError(f"set {name} or {name}_range")
-        if self.input_len_range is None and self.input_len is not None and self.input_len < 2:
-            raise ValueError("input_len must be at least 2 (the first two tokens make each prompt unique)")
-        if self.input_len_range is not None and self.input_len_range[0] < 2:
-            raise ValueError("input_len_range must start at 2 or more")
+        _check_length_ranges(self, ("input_len", "output_len"), {"input_len": 2})
+        return self
+
+
+class ConversationWorkloadConfig(_WorkloadBase):
+    """Multi-turn sessions (docs/workloads.md, *conversation*): request i is turn i % turns + 1 of session
+    i // turns; each turn's prompt holds the session's earlier turns and the server's replies."""
+
+    kind: Literal["conversation"]
+    turns: PositiveInt = 3  # requests per session
+    system_prompt_len: NonNegativeInt = 256  # opens every session's first prompt; 0: none
+    num_system_prompts: PositiveInt = 1  # session s has system prompt s % num_system_prompts
+    user_len: PositiveInt | None = 64  # each turn's user message
+    user_len_range: tuple[PositiveInt, PositiveInt] | None = None  # drawn uniformly, inclusive
+    output_len: PositiveInt | None = 128
+    output_len_range: tuple[PositiveInt, PositiveInt] | None = None
+    think_time_s: float = Field(0.0, ge=0, description="after a reply ends, before the next turn is sent")
+
+    @model_validator(mode="after")
+    def _lengths(self):
+        _check_length_ranges(self, ("user_len", "output_len"), {"user_len": 2})
         return self
 
 
 WorkloadConfig = Annotated[
-    RagWorkloadConfig | SharedPrefixWorkloadConfig | RandomPrefixWorkloadConfig, Field(discriminator="kind")
+    RagWorkloadConfig | SharedPrefixWorkloadConfig | RandomPrefixWorkloadConfig | ConversationWorkloadConfig,
+    Field(discriminator="kind"),
 ]
 
 
@@ -305,6 +363,16 @@ class Profile(_Strict):
     def total_requests(self) -> int:
         return self.requests.warmup + self.requests.measured
 
+    @property
+    def conversation(self) -> bool:
+        """Whether requests are turns of sessions, each prompt holding the session's history."""
+        return isinstance(self.workload, ConversationWorkloadConfig)
+
+    @property
+    def session_turns(self) -> int:
+        """Requests per session, sent in order by one user: a conversation's turns, else 1."""
+        return self.workload.turns if isinstance(self.workload, ConversationWorkloadConfig) else 1
+
 
 # Command-line overrides common to `loadlab run` and `locust -f locustfile.py`: flag -> profile key.
 CLI_OVERRIDES = {
@@ -327,9 +395,11 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
     label = str(path)
     data, lines = read_mapping(path, "profile", ProfileError)
     target = data.get("target")
-    if isinstance(target, dict) and isinstance(target.get("cluster"), str):
-        # The file's cluster path is relative to the profile file (an override's, to the working directory).
-        target["cluster"] = os.path.abspath(path.parent / target["cluster"])
+    if isinstance(target, dict):
+        # The file's paths are relative to the profile file (an override's, to the working directory).
+        for key in ("cluster", "api_key_file"):
+            if isinstance(target.get(key), str) and target[key]:
+                target[key] = os.path.abspath(path.parent / target[key])
     kind = data.get("workload", {}).get("kind") if isinstance(data.get("workload"), dict) else None
     for key, value in (overrides or {}).items():
         if kind == "shared_prefix" and key == "workload.input_len":
@@ -337,7 +407,12 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
                 f"{label}: --input-len: a shared_prefix workload has no input_len; use "
                 "--set workload.system_prompt_len=N or --set workload.question_len=N"
             )
-        if kind == "random_prefix" and key in ("workload.input_len", "workload.output_len"):
+        if kind == "conversation" and key == "workload.input_len":
+            raise ProfileError(
+                f"{label}: --input-len: a conversation workload has no input_len (each turn's prompt holds the "
+                "earlier turns); use --set workload.user_len=N or --set workload.system_prompt_len=N"
+            )
+        if kind in ("random_prefix", "conversation") and key in ("workload.input_len", "workload.output_len"):
             data["workload"].pop(key.split(".")[1] + "_range", None)  # a fixed length replaces a range
         if key == "target.url" and value != EMBEDDED and isinstance(data.get("target"), dict):
             # A server given on the command line replaces the cluster, and what was laid over it.
@@ -347,11 +422,20 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
     return validate_profile(data, label, lines)
 
 
-WORKLOAD_KINDS = ("rag", "shared_prefix", "random_prefix")
+WORKLOAD_KINDS = ("rag", "shared_prefix", "random_prefix", "conversation")
 
 
 def validate_profile(data: dict[str, Any], label: str = "<profile>", lines: Lines | None = None) -> Profile:
     lines = lines or {}
+    target = data.get("target")
+    if isinstance(target, dict) and "api_key" in target:
+        # Said without the value (pydantic's message would quote it), and before it could be recorded.
+        loc = ["target", "api_key"]
+        raise ProfileError(
+            f"{where(label, lines, loc)}: target.api_key: a key is never a profile value (the profile is "
+            "recorded in the manifest): name its environment variable (target.api_key_env) or file "
+            "(target.api_key_file)"
+        )
     try:
         profile = Profile.model_validate(data)
     except ValidationError as e:
@@ -361,7 +445,28 @@ def validate_profile(data: dict[str, Any], label: str = "<profile>", lines: Line
         check_mapping(embedded, check_embedded_settings, ["target", "embedded"], label, lines, ProfileError)
     if profile.classes is not None:
         _check_classes(profile, label, lines)
+    if profile.session_turns > 1:
+        _check_sessions(profile, label, lines)
     return profile
+
+
+def _check_sessions(profile: Profile, label: str, lines: Lines) -> None:
+    """A conversation's sessions are whole within a phase (request i is turn i % turns + 1 of session
+    i // turns, so warm-up must end at a session boundary) and of one class."""
+    turns = profile.session_turns
+    warmup = profile.requests.warmup
+    if warmup % turns:
+        lower, upper = warmup - warmup % turns, warmup + turns - warmup % turns
+        raise ProfileError(
+            f"{where(label, lines, ['requests', 'warmup'])}: requests.warmup: {warmup} warm-up requests are not "
+            f"whole sessions of workload.turns {turns} (a session's turns share one phase): use a multiple of "
+            f"{turns}, e.g. {lower} or {upper}"
+        )
+    if profile.classes is not None:
+        raise ProfileError(
+            f"{where(label, lines, ['classes'])}: classes: not with a conversation workload (the classes split "
+            "requests one by one; a session's turns must stay together): drop classes"
+        )
 
 
 def _check_classes(profile: Profile, label: str, lines: Lines) -> None:
@@ -378,6 +483,10 @@ def _check_classes(profile: Profile, label: str, lines: Lines) -> None:
         if cls.name in seen:
             fail(["classes", str(i), "name"], f"{cls.name!r} is also the name of classes[{seen[cls.name]}]")
         seen[cls.name] = i
+        if isinstance(cls.workload, ConversationWorkloadConfig):
+            fail(["classes", str(i), "workload", "kind"],
+                 "not conversation (the classes split requests one by one; a session's turns must stay "
+                 "together)")  # fmt: skip
         api = profile.target.api
         if cls.carry.priority is not None and api == "chat":
             fail(["classes", str(i), "carry", "priority"],
@@ -427,3 +536,73 @@ def parse_set_option(item: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
+
+
+# The API key of a secured target (SGLang's --api-key, a gateway's): read from the environment or a file at
+# start, never from a profile value or the command line, and sent as `Authorization: Bearer <key>`.
+API_KEY_ENV = "LOADLAB_API_KEY"  # used when the profile names neither a variable nor a file
+REDACTED = "<redacted>"
+
+
+def read_api_key(target: TargetConfig, label: str = "<profile>") -> str | None:
+    """The target's API key: from ``target.api_key_env``'s variable, ``target.api_key_file``'s file, or
+    else ``LOADLAB_API_KEY`` when set (None: no key). A variable or file the profile names that is missing
+    or empty is a ProfileError naming it (never quoting the key)."""
+    if target.api_key_file is not None:
+        path = target.api_key_file
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read().strip()  # a file written by echo, or a mounted Secret, may end with a newline
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+            raise ProfileError(
+                f"{label}: target.api_key_file: {path}: cannot read the API key ({why})"
+            ) from None
+        where_from = f"target.api_key_file: {path}"
+        if not key:
+            raise ProfileError(f"{label}: {where_from}: the file is empty (it must hold the API key)")
+    elif target.api_key_env is not None:
+        name = target.api_key_env
+        key = os.environ.get(name, "").strip()
+        where_from = f"target.api_key_env: {name}"
+        if not key:
+            raise ProfileError(
+                f"{label}: {where_from}: the environment variable is not set or empty (it must hold the API key)"
+            )
+    else:
+        key = os.environ.get(API_KEY_ENV, "").strip()
+        where_from = API_KEY_ENV
+        if not key:
+            return None
+    if any(c.isspace() or not c.isprintable() for c in key):
+        raise ProfileError(f"{label}: {where_from}: the API key has spaces or control characters inside it")
+    return key
+
+
+def api_key_source(target: TargetConfig) -> str:
+    """Where the key is read from, in words for an error message: ``$SGLANG_API_KEY``, a file's path."""
+    if target.api_key_file is not None:
+        return f"the file {target.api_key_file}"
+    return f"${target.api_key_env or API_KEY_ENV}"
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The request header that carries the key (SGLang's check: ``Authorization: Bearer <key>``)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def redact(value: Any, secret: str | None, hide_named: bool = False) -> Any:
+    """``value`` (JSON-like) with every occurrence of ``secret`` in its strings replaced; ``hide_named``:
+    also every non-empty value under a key naming an API key (SGLang's server_info lists its ``api_key``)."""
+    if isinstance(value, dict):
+        return {
+            k: REDACTED
+            if hide_named and v and isinstance(k, str) and "api_key" in k.lower()
+            else redact(v, secret, hide_named)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return type(value)(redact(v, secret, hide_named) for v in value)
+    if isinstance(value, str) and secret and secret in value:
+        return value.replace(secret, REDACTED)
+    return value

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 RECORDS_JSONL = "records.jsonl"
+RECORDS_CSV = "records.csv"  # for spreadsheets: the same columns, the per-event lists as JSON arrays
 RECORDS_PARQUET = "records.parquet"
 SPILL_DIR = "spill"  # workers' own copies of their records (distributed runs), one JSONL file per worker
 # The target's /metrics, one JSON line per scrape (loadlab.target.scraper writes, analysis.server_metrics reads)
@@ -99,6 +100,8 @@ class RequestRecord:
     request_class: str | None = (
         None  # the profile's SLO class of the request (its spec's); None without classes
     )
+    session: int | None = None  # a conversation's session (its spec's); None for any other workload
+    turn: int | None = None  # the request's turn in its session, 1 first
 
     def to_json_line(self) -> bytes:
         return orjson.dumps(self) + b"\n"  # orjson serialises dataclasses natively (~50x asdict)
@@ -229,8 +232,22 @@ def _write_table(run_dir: Path, columns: dict[str, list]) -> Path:
         else:
             arrays[name] = pa.array(values, type=types[name])
     out = run_dir / RECORDS_PARQUET
-    pq.write_table(pa.table(arrays), out)
+    table = pa.table(arrays)
+    pq.write_table(table, out)
+    _write_csv(run_dir / RECORDS_CSV, table, columns)
     return out
+
+
+def _write_csv(path: Path, table, columns: dict[str, list]) -> None:
+    """records.csv: every column of the Parquet table in its order; CSV has no lists, so each per-event
+    column is one cell holding a JSON array (empty when the record has none)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    for name in _LIST_COLUMNS:
+        cells = [orjson.dumps(v).decode() if v is not None else None for v in columns[name]]
+        table = table.set_column(table.schema.get_field_index(name), name, pa.array(cells, type=pa.string()))
+    pacsv.write_csv(table, path)
 
 
 _LIST_COLUMNS = ("arrival_ms", "arrival_tokens")
@@ -269,6 +286,8 @@ def arrow_types() -> dict[str, Any]:
         "served_by": pa.string(),
         "status_source": pa.string(),
         "request_class": pa.string(),
+        "session": pa.int64(),
+        "turn": pa.int64(),
     }
     missing = set(RECORD_FIELDS) - set(types)
     assert not missing, f"no Arrow type for record fields {missing}"

@@ -354,7 +354,10 @@ def test_open_loop_rows_state_over_capacity_with_the_evidence_and_only_when_the_
     assert [r["over_capacity"] for r in rows] == [1, 1, 1] and rows[0]["rate"] == 32
     result = {"rows": rows, **choose(rows, SLO)}
     said = [f for f in result["findings"] if f.startswith("over capacity")]
-    assert said and said[0].startswith("over capacity in every configuration at 32 req/s (3 of 3 runs)")
+    assert said and said[0].startswith(
+        "over capacity in every configuration (max_running_requests=32, max_running_requests=64, "
+        "max_running_requests=128) at 32 req/s (3 of 3 runs)"
+    )
     assert "no configuration can meet a TTFT SLO at this rate" in said[0]
     assert any("TPOT P95 grows (18.0 -> 43.0 ms)" in f for f in result["findings"])
     md = render_md(spec, result, complete=True)

@@ -63,6 +63,23 @@ def test_main_command_writes_a_report(tmp_path):
     assert worker["completed"] == summary["completed"] and worker["measured_requests"] == measured
     assert worker["output_throughput"] == pytest.approx(summary["output_throughput"])
     assert worker["p95_ttft_ms"] == summary["p95_ttft_ms"] and worker["p95_tpot_ms"] == summary["p95_tpot_ms"]
+    # The last lines a user sees are loadlab's exact figures, after Locust's own (rounded) tables.
+    tail = proc.stderr.rstrip("\n").splitlines()
+    start = max(i for i, line in enumerate(tail) if "loadlab: exact result" in line)
+    assert start > max(i for i, line in enumerate(tail) if "Response time percentiles" in line)
+    block = tail[start:]
+    assert block[-1] == "=" * 78 and block[-2] == f"report: {run_dir / 'summary.md'}"
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in block
+        if line.split()[:1] in (["TTFT"], ["TPOT"], ["E2E"])
+    }
+    for row, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_latency_ms")):
+        p50, p95, p99 = (float(v) for v in rows[row][:3])
+        assert (p50, p95, p99) == tuple(round(summary[f"{s}_{key}"], 2) for s in ("median", "p95", "p99")), (
+            row
+        )
+    assert f"complete: {measured} measured, {measured} completed" in block[1]
 
 
 @pytest.mark.parametrize("api", ["generate", "completions", "chat"])

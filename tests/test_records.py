@@ -85,7 +85,8 @@ def test_attribution_fields_come_last_and_round_trip_through_parquet(tmp_path):
         write_parquet,
     )
 
-    assert RECORD_FIELDS[-3:] == ("served_by", "status_source", "request_class")  # new columns go at the end
+    # New columns go at the end.
+    assert RECORD_FIELDS[-5:] == ("served_by", "status_source", "request_class", "session", "turn")
     assert STATUS_SOURCES == ("worker", "front")
     base = dict(phase="measure", api="generate", worker_id="h:1", user_id=0, t_send_wall=1.0)
     writer = RecordWriter(tmp_path)
@@ -114,3 +115,35 @@ def test_attribution_fields_come_last_and_round_trip_through_parquet(tmp_path):
 
     assert strings(df.served_by) == ["http://127.0.0.1:1", None, None, None]
     assert strings(df.status_source) == ["worker", "front", None, None]
+
+
+def test_records_csv_has_the_documented_columns_and_the_parquet_values(tmp_path):
+    """records.csv (for spreadsheets) beside records.parquet: the documented columns in order, every value
+    the Parquet file's, the per-event lists as JSON arrays."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+    import pandas as pd
+    from conftest import REPO
+
+    from loadlab.records import load_records
+
+    proc = subprocess.run([sys.executable, "-m", "loadlab.cli", "sim", "--virtual", "profiles/two-classes.yaml",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = Path(proc.stdout.strip().splitlines()[-1])
+    csv = pd.read_csv(run_dir / "records.csv")
+    parquet = load_records(run_dir)
+    assert tuple(csv.columns) == RECORD_FIELDS and len(csv) == len(parquet) == 416
+    for name in ("index", "ttft_ms", "e2e_ms", "output_tokens", "request_class", "outcome", "phase"):
+        a, b = csv[name].to_numpy(), parquet[name].to_numpy()
+        if a.dtype.kind == "f":
+            np.testing.assert_allclose(a, b.astype(float), rtol=1e-12, err_msg=name)
+        else:
+            assert list(a) == list(b), name
+    for name in ("arrival_ms", "arrival_tokens"):
+        decoded = [json.loads(cell) for cell in csv[name]]
+        assert decoded == [list(v) for v in parquet[name]], name
+    assert sum(map(len, csv["arrival_tokens"].map(json.loads))) > 400 * 100  # real token lists, not empty

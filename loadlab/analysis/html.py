@@ -425,11 +425,18 @@ def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFra
         else ""
     )
     title = html.escape(f"loadlab report: {summary.run_id or 'run'}")
+    # The findings first: each qualifies the figures below it (over capacity, KV, load not locked, ...).
+    findings = "".join(
+        f"<p class='finding' data-kind='{f.kind}'><b>{html.escape(f.parts()[0])}</b>: "
+        f"{html.escape(f.parts()[1])}</p>"
+        for f in summary.findings
+    )
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
         "<style>body{font-family:sans-serif;max-width:1200px;margin:1em auto}img{max-width:100%}"
-        f"pre{{white-space:pre-wrap;background:#f6f6f6;padding:1em}}{CLASS_CSS if per_class else ''}</style>"
-        f"</head><body><h1>{title}</h1>{per_class}"
+        "pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}.finding{background:#fff4e5;padding:.5em 1em}"
+        f"{CLASS_CSS if per_class else ''}</style>"
+        f"</head><body><h1>{title}</h1>{findings}{per_class}"
         f"<h2>Latency CDFs</h2><img alt='latency CDFs' src='data:image/png;base64,{images[0]}'>"
         f"<h2>Timeline</h2><img alt='timeline' src='data:image/png;base64,{images[1]}'>{per_worker}"
         f"<h2>Summary</h2><pre>{html.escape(markdown)}</pre></body></html>\n"

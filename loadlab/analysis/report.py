@@ -10,7 +10,16 @@ import pandas as pd
 from loadlab.analysis.html import REPORT_HTML, render_html
 from loadlab.analysis.metrics import compute_summary
 from loadlab.analysis.server_metrics import read_server_metrics
-from loadlab.analysis.summary import SUMMARY_JSON, Client, LatencyStats, Server, Summary, write_atomic
+from loadlab.analysis.summary import (
+    SUMMARY_JSON,
+    Client,
+    Finding,
+    LatencyStats,
+    Overload,
+    Server,
+    Summary,
+    write_atomic,
+)
 from loadlab.manifest import read_manifest
 from loadlab.records import RECORD_FIELDS, RECORDS_JSONL, RECORDS_PARQUET, load_records
 
@@ -147,6 +156,31 @@ def _worker_lines(s: Summary) -> list[str]:
     return [*lines, ""]
 
 
+def _turn_lines(s: Summary) -> list[str]:
+    """The per-turn table: only for a conversation (the records' turn)."""
+    if not s.turns:
+        return []
+    lines = [
+        f"## Per turn ({s.sessions} measured sessions)",
+        "",
+        "| turn | measured | completed | mean prompt tokens | cached | TTFT mean | TTFT P50 | TTFT P95 | TTFT P99 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for t in s.turns:
+        hit = "n/a" if t.cached_token_ratio is None else f"{t.cached_token_ratio * 100:.1f}%"
+        lines.append(
+            f"| {t.turn} | {t.measured_requests} | {t.completed} | {_num(t.mean_prompt_tokens)} | {hit} | "
+            f"{_num(t.mean_ttft_ms)} | {_num(t.median_ttft_ms)} | {_num(t.p95_ttft_ms)} | {_num(t.p99_ttft_ms)} |"
+        )
+    lines += [
+        "",
+        "Latencies in ms. Each turn's prompt holds the session's earlier turns and the server's replies; cached "
+        "is cached / prompt tokens of the turn's completed requests.",
+        "",
+    ]
+    return lines
+
+
 def verdict_word(passed: bool | None) -> str:
     return "n/a" if passed is None else ("PASS" if passed else "FAIL")
 
@@ -234,6 +268,104 @@ def _client_lines(client: Client | None) -> list[str]:
     return lines
 
 
+def slo_lines(s: Summary) -> list[str]:
+    """The SLO verdict as bullet lines: each objective, each class's, the overall verdict (summary.md's
+    SLO section and the console's result block)."""
+    slo = s.slo
+    lines: list[str] = []
+    if not slo.objectives:
+        lines.append(
+            "- No SLO objectives in the profile." if not s.classes else "- No run-wide SLO objectives."
+        )
+    for o in slo.objectives:
+        verdict = "PASS" if o.passed else "FAIL"
+        note = " (no samples)" if o.value_ms is None else ""
+        lines.append(
+            f"- {verdict}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms (limit {_num(o.threshold_ms)} ms){note}"
+        )
+    for c in s.classes:
+        for o in c.slo.objectives:
+            verdict = "PASS" if o.passed else "FAIL"
+            lines.append(f"- {verdict}: class {c.name}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms "
+                         f"(limit {_num(o.threshold_ms)} ms)")  # fmt: skip
+    if slo.objectives or (s.classes and slo.passed is not None):
+        every = " (every class too)" if s.classes else ""
+        lines.append(f"- Overall{every}: {'PASS' if slo.passed else 'FAIL'}")
+    if slo.failed_requests:
+        lines.append(
+            f"- Note: {slo.failed_requests} measured request(s) failed; failures are not in the latencies."
+        )
+    if slo.unrecognized:
+        lines.append(f"- Ignored SLO keys: {', '.join(slo.unrecognized)}")
+    return lines
+
+
+def _finding_lines(findings: list[Finding]) -> list[str]:
+    """Findings as the report's other warnings (Client-bound), one quoted paragraph each."""
+    lines = []
+    for f in findings:
+        title, text = f.parts()
+        lines += [f"> **{title}**: {text}", ""]
+    return lines
+
+
+def _overload_line(o: Overload | None) -> list[str]:
+    """The overload verdict's figures in the load section (open loop), whichever way it went."""
+    if o is None:
+        return []
+    served = (
+        f"the server took in {_num(o.served_prompt_tokens_per_s, 0)} prompt tok/s while requests waited for their "
+        f"first token ({_num(o.backlog_s, 1)} s of backlog)"
+    )
+    slope = (
+        f"TTFT from the due time {o.ttft_slope * 1000:+.0f} ms per second of arrivals over their second half"
+        + (f" (t {o.ttft_slope_t:.1f})" if o.ttft_slope_t is not None else "")
+        if o.ttft_slope is not None
+        else "too few requests for a TTFT trend"
+    )
+    verdict = "**over capacity**" if o.over_capacity else "within capacity"
+    return [
+        f"- Offered load: {o.arrival_rate:.2f} req/s x {_num(o.mean_prompt_tokens, 0)} prompt tokens = "
+        f"{_num(o.offered_prompt_tokens_per_s, 0)} prompt tok/s; {served}; {slope}; in flight "
+        f"{o.in_flight_growth_per_s:+.2f}/s at the end of the arrivals: {verdict}"
+    ]
+
+
+def _limits(limits: dict[str, float]) -> str:
+    names = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "e2e_latency_ms": "E2E"}
+    return ", ".join(f"{names[m]} <= {v:g} ms" for m, v in limits.items())
+
+
+def _goodput_lines(s: Summary) -> list[str]:
+    """DistServe's goodput: requests within every per-request limit (each SLO objective's threshold)."""
+    lines = ["## Goodput", ""]
+    if s.goodput_ratio is None:
+        lines.append("- No per-request limits: the SLO sets no TTFT, TPOT or E2E objective, so goodput is not "
+                     "defined (ITL objectives bound the pooled gaps, not a request).")  # fmt: skip
+    else:
+        ratio = _num(s.goodput_ratio * 100 if s.goodput_ratio is not None else None, 1)
+        limits = (
+            "each request its own class's (below; a class without any counts its completed requests)"
+            if s.classes
+            else _limits(s.goodput_limits)
+        )
+        lines += [
+            f"- Per-request limits (each SLO objective's threshold): {limits}",
+            f"- Good requests (completed within every limit; failed requests never count): {s.good_requests} "
+            f"of {s.measured_requests} measured ({ratio}%)",
+            f"- Request goodput: {_num(s.request_goodput)} req/s (of {_num(s.request_throughput)} req/s completed)",
+            f"- Output goodput: {_num(s.output_goodput)} tok/s (of {_num(s.output_throughput)} tok/s)",
+        ]
+    for c in s.classes:
+        if c.goodput_limits is None:
+            lines.append(f"- Class {c.name}: no per-request limits")
+            continue
+        ratio = _num(c.goodput_ratio * 100 if c.goodput_ratio is not None else None, 1)
+        lines.append(f"- Class {c.name} ({_limits(c.goodput_limits)}): {c.good_requests} of {c.measured_requests} "
+                     f"good ({ratio}%), {_num(c.request_goodput)} req/s, {_num(c.output_goodput)} output tok/s")  # fmt: skip
+    return [*lines, ""]
+
+
 def render_markdown(s: Summary) -> str:
     """A plain-Markdown human view of a summary."""
     title = " / ".join(str(x) for x in (s.run_id, s.profile_name) if x) or "run"
@@ -258,6 +390,8 @@ def render_markdown(s: Summary) -> str:
         ]
 
     lines += _outage_lines(s)
+    # Over capacity qualifies every figure below, so it comes first; the other findings follow the latencies.
+    lines += _finding_lines([f for f in s.findings if f.kind == "over_capacity"])
 
     target = s.target_url or "unknown"
     if s.api:
@@ -304,6 +438,7 @@ def render_markdown(s: Summary) -> str:
         "",
     ]
     lines += _client_lines(s.client)
+    lines += _finding_lines([f for f in s.findings if f.kind != "over_capacity"])
 
     lines += ["## Throughput", ""]
     lines += [
@@ -332,11 +467,17 @@ def render_markdown(s: Summary) -> str:
         f"min {_num(flight.min)}, max {_num(flight.max)}",
         f"- Concurrency (bench_serving: sum of completed E2E / duration): {_num(s.concurrency)}",
     ]
-    ratio = s.cached_token_ratio
+    lines += _overload_line(s.overload)
+    ratio, bound = s.cached_token_ratio, s.expected_cached_token_ratio
     lines.append(
         f"- Cached-token ratio: {_num(ratio * 100 if ratio is not None else None, 1)}"
         + ("%" if ratio is not None else "")
         + f" ({s.cached_tokens_reported} requests reported cached tokens)"
+        + (
+            f"; the workload allows at most {bound * 100:.1f}% (prefixes shared with earlier requests)"
+            if bound is not None
+            else ""
+        )  # fmt: skip
     )
     if s.tokens_per_event_inexact:
         lines.append(
@@ -347,32 +488,10 @@ def render_markdown(s: Summary) -> str:
     lines += _server_lines(s.server)
     lines += _worker_lines(s)
     lines += _class_lines(s)
+    lines += _turn_lines(s)
 
-    slo = s.slo
     lines += ["## SLO", ""]
-    if not slo.objectives:
-        lines.append(
-            "- No SLO objectives in the profile." if not s.classes else "- No run-wide SLO objectives."
-        )
-    for o in slo.objectives:
-        verdict = "PASS" if o.passed else "FAIL"
-        note = " (no samples)" if o.value_ms is None else ""
-        lines.append(
-            f"- {verdict}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms (limit {_num(o.threshold_ms)} ms){note}"
-        )
-    for c in s.classes:
-        for o in c.slo.objectives:
-            verdict = "PASS" if o.passed else "FAIL"
-            lines.append(f"- {verdict}: class {c.name}: P{o.percentile} {o.metric} = {_num(o.value_ms)} ms "
-                         f"(limit {_num(o.threshold_ms)} ms)")  # fmt: skip
-    if slo.objectives or (s.classes and slo.passed is not None):
-        every = " (every class too)" if s.classes else ""
-        lines.append(f"- Overall{every}: {'PASS' if slo.passed else 'FAIL'}")
-    if slo.failed_requests:
-        lines.append(
-            f"- Note: {slo.failed_requests} measured request(s) failed; failures are not in the latencies."
-        )
-    if slo.unrecognized:
-        lines.append(f"- Ignored SLO keys: {', '.join(slo.unrecognized)}")
+    lines += slo_lines(s)
     lines.append("")
+    lines += _goodput_lines(s)
     return "\n".join(lines)

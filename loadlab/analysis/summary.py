@@ -37,12 +37,16 @@ from pydantic import (
 )
 
 SUMMARY_JSON = "summary.json"
-SUMMARY_VERSION = 3  # 2: workers and unattributed_requests (per-worker attribution); 3: classes
-SUMMARY_SCHEMA = "loadlab.summary/3"  # kept beside version, which came later; bumped with it
+SUMMARY_VERSION = 5  # 2: workers and unattributed_requests (per-worker attribution); 3: classes; 4: goodput,
+# the overload verdict, findings and the expected cached-token ratio; 5: a conversation's sessions and turns
+SUMMARY_SCHEMA = "loadlab.summary/5"  # kept beside version, which came later; bumped with it
 # Older versions this one reads: each added fields only, so an old file reads with their defaults.
-READS_VERSIONS = (1, 2, 3)
+READS_VERSIONS = (1, 2, 3, 4, 5)
 # Version 3 added classes, workers[].unreachable_from, unreachable_after_s, reachable_again_from, front_failed
-# and front_failures, each with a default, so that older summaries read.
+# and front_failures; version 4 goodput_limits, good_requests, goodput_ratio, request_goodput, output_goodput
+# (top level and classes[]), overload, expected_cached_token_ratio and findings; version 5 sessions and turns.
+# Each has a default (null or empty), so older summaries read; `loadlab report RUN_DIR` computes the new
+# figures from the records.
 
 
 class SummaryError(ValueError):
@@ -278,6 +282,67 @@ class Slo(_Model):
     )
 
 
+class Overload(_Model):
+    """Open loop only: whether arrivals outran the server, and the evidence (docs/metrics.md, Overload)."""
+
+    over_capacity: bool = Field(
+        description="Arrivals outran the server: offered_above_capacity, ttft_growing or in_flight_growing."
+    )
+    offered_above_capacity: bool = Field(
+        description="offered_prompt_tokens_per_s is more than 10% above served_prompt_tokens_per_s."
+    )
+    ttft_growing: bool = Field(
+        description="TTFT from the due time rose at least 50 ms per second of arrivals over the arrivals' "
+        "second half, significantly (ttft_slope_t >= 3, or an exact fit)."
+    )
+    in_flight_growing: bool = Field(
+        description="Requests in flight grew by at least 5% of the arrival rate per second (in_flight_growth_per_s)."
+    )
+    arrival_rate: float = Field(description="Measured arrivals per second: (count - 1) / arrival_span_s.")
+    arrival_span_s: float = Field(description="First to last measured due time (s).")
+    mean_prompt_tokens: float | None = Field(
+        description="Mean prompt tokens of the measured requests (the server's count, else the intended length)."
+    )
+    offered_prompt_tokens_per_s: float | None = Field(description="arrival_rate x mean_prompt_tokens.")
+    served_prompt_tokens_per_s: float | None = Field(
+        description="Prompt tokens of the completed measured requests / backlog_s: what the server took in "
+        "while requests waited; null without a backlog."
+    )
+    backlog_s: float = Field(
+        description="Time some measured request had been sent and had no first token yet (s)."
+    )
+    ttft_slope: float | None = Field(
+        description="Least-squares slope of TTFT from the due time against the due time, over the requests due "
+        "in the arrivals' second half (ms per ms); null with fewer than 10 of them."
+    )
+    ttft_slope_t: float | None = Field(
+        description="That slope over its standard error; null without a slope or when the fit is exact."
+    )
+    ttft_slope_samples: int = Field(description="Requests the slope was fitted over.")
+    in_flight_growth_per_s: float | None = Field(
+        description="Mean in flight over the arrivals' last quarter minus over the quarter before, per second "
+        "of a quarter (requests/s)."
+    )
+
+
+FindingKind = Literal[
+    "over_capacity", "kv_reservation", "load_not_locked", "no_warmup", "prefix_cache_mismatch"
+]
+
+
+class Finding(_Model):
+    """One of the method's pitfalls, reported only when the run's data shows it (docs/metrics.md, Findings)."""
+
+    kind: FindingKind = Field(description="Which finding.")
+    message: str = Field(description="The finding in plain words, with its figures and what to do.")
+    evidence: dict[str, float | None] = Field(description="The figures behind it, by name.")
+
+    def parts(self) -> tuple[str, str]:
+        """Its title and its text: a message reads "Title: text"."""
+        title, _, text = self.message.partition(": ")
+        return title, text
+
+
 # ---------------------------------------------------------------------------------------------------
 # The flat latency keys on disk (the summary's and each class's)
 
@@ -342,7 +407,32 @@ class _FlatLatency(_Model):
         return self
 
 
-class RequestClass(_FlatLatency):
+class _Goodput(_Model):
+    """Goodput (DistServe's): the requests that met every per-request limit. The run's and each class's."""
+
+    goodput_limits: dict[str, float] | None = Field(
+        None,
+        description="Per-request limits (ms) by metric (ttft_ms, tpot_ms, e2e_latency_ms): each SLO "
+        "objective's threshold, the lowest where a metric has several; null without such an objective (and in "
+        "summaries written before goodput).",
+    )
+    good_requests: int | None = Field(
+        None, description="Completed measured requests within every limit; null without limits."
+    )
+    goodput_ratio: float | None = Field(
+        None,
+        description="good_requests / measured_requests (failed requests never count); null without limits.",
+    )
+    request_goodput: float | None = Field(
+        None, description="good_requests / the run's duration (req/s); null without limits."
+    )
+    output_goodput: float | None = Field(
+        None,
+        description="Output tokens of the good requests / the run's duration (tok/s); null without limits.",
+    )
+
+
+class RequestClass(_FlatLatency, _Goodput):
     """One SLO class of the profile (the records' request_class): its measured requests alone, with the
     run's definitions, and its own SLO verdict. The latency statistics are flat keys, as at the top level."""
 
@@ -358,19 +448,39 @@ class RequestClass(_FlatLatency):
     slo: Slo = Field(description="Its verdict against its own SLO (the class's slo, else the profile's).")
 
 
+class Turn(_Model):
+    """One turn of a conversation's sessions (the records' turn): its measured requests alone. Later turns
+    carry the earlier ones in their prompts, so their cache-hit ratio should rise."""
+
+    turn: int = Field(description="The turn, 1 first (the records' turn).")
+    measured_requests: int = Field(description="Measured records of this turn, any outcome.")
+    completed: int = Field(description="Of those, outcome ok.")
+    mean_prompt_tokens: float | None = Field(
+        description="Mean prompt length of its completed requests (server-reported, else the length sent)."
+    )
+    cached_token_ratio: float | None = Field(
+        description="sum(cached_tokens) / sum(prompt_tokens) over its completed requests reporting both."
+    )
+    cached_tokens_reported: int = Field(description="Its completed requests reporting both counts.")
+    mean_ttft_ms: float | None = Field(description="Mean TTFT of its completed requests (ms).")
+    median_ttft_ms: float | None = Field(description="TTFT P50 of its completed requests (ms).")
+    p95_ttft_ms: float | None = Field(description="TTFT P95 of its completed requests (ms).")
+    p99_ttft_ms: float | None = Field(description="TTFT P99 of its completed requests (ms).")
+
+
 # ---------------------------------------------------------------------------------------------------
 # The summary
 
 
-class Summary(_FlatLatency):
+class Summary(_FlatLatency, _Goodput):
     """The run summary (summary.json), computed exactly from the raw records: docs/metrics.md."""
 
-    schema_name: Literal["loadlab.summary/3"] = Field(
-        alias="schema", description="The schema, loadlab.summary/3."
+    schema_name: Literal["loadlab.summary/5"] = Field(
+        alias="schema", description="The schema, loadlab.summary/5."
     )
-    version: Literal[3] = Field(
+    version: Literal[5] = Field(
         SUMMARY_VERSION,
-        description="Schema version of this summary (versions 1, 2 and summaries without the key read as 3).",
+        description="Schema version of this summary (versions 1-4 and summaries without the key read as 5).",
     )
     run_id: str | None = Field(description="The run's id (manifest run_id).")
     profile_name: str | None = Field(description="The profile's name.")
@@ -428,6 +538,11 @@ class Summary(_FlatLatency):
         description="sum(cached_tokens) / sum(prompt_tokens) where both reported."
     )
     cached_tokens_reported: int = Field(description="Completed requests reporting both counts.")
+    expected_cached_token_ratio: float | None = Field(
+        None,
+        description="The workload's upper bound on cached_token_ratio: prompt tokens each request shares with a "
+        "lower-index request of the run, over the same requests; null when the manifest's profile cannot say.",
+    )
     tokens_per_event_inexact: int = Field(
         description="Completed requests without exact per-event token counts."
     )
@@ -440,6 +555,20 @@ class Summary(_FlatLatency):
         default_factory=list,
         description="Per SLO class (the profile's classes, in its order; then any other request_class of the "
         "records, sorted); empty without classes (and in summaries written before classes).",
+    )
+    sessions: int | None = Field(
+        None, description="A conversation's measured sessions (distinct records' session); null for others."
+    )
+    turns: list[Turn] = Field(
+        default_factory=list,
+        description="Per conversation turn (the records' turn), in order; empty for other workloads (and in "
+        "summaries written before conversations).",
+    )
+    overload: Overload | None = Field(
+        None, description="Open loop: whether arrivals outran the server; null for a closed loop."
+    )
+    findings: list[Finding] = Field(
+        default_factory=list, description="The pitfalls the data shows, most serious first; empty when none."
     )
     records_source: Literal["records.parquet", "records.jsonl"] | None = Field(
         None, description="The records file write_report read; null without one (and from compute_summary)."

@@ -389,12 +389,13 @@ def overload_finding(rows: list[dict]) -> str | None:
     rates = {r["rate"] for r in over}
     at = f" at {rates.pop():g} req/s" if len(rates) == 1 and None not in rates else ""
     every = len(over) == len(judged)
-    where = "every configuration" if every else ", ".join(label(r["config"]) for r in over)
+    names = ", ".join(label(r["config"]) for r in over)
+    where = f"every configuration ({names})" if every else names
     return (f"over capacity in {where}{at} ({sum(r['over_capacity'] for r in over)} of "
             f"{sum(r['repeats'] for r in over)} runs): arrivals outran the server, so TTFT grows with the run's "
-            "length and its percentiles describe this run's length, not a steady state; no configuration"
-            f"{'' if every else ' among these'} can meet a TTFT SLO at this rate (`loadlab capacity` finds the "
-            "rate each one can serve)")  # fmt: skip
+            "length and its percentiles describe this run's length, not a steady state; "
+            f"{'no configuration' if every else 'none of these'} can meet a TTFT SLO at this rate (`loadlab "
+            "capacity` finds the rate each one can serve)")  # fmt: skip
 
 
 def trend_finding(rows: list[dict]) -> str | None:

@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from loadlab.sim import REQUEST_ID_HEADER, SIM_VERSION, WORKER_HEADER
+from loadlab.sim.auth import UNAUTHORIZED, authorized, needs_key
 from loadlab.sim.engine import (
     Engine,
     RequestHandle,
@@ -266,8 +267,11 @@ class _Metrics:
 class SimServer:
     """Builds the aiohttp application. ``settings`` holds every resolved server argument, SGLang-named."""
 
-    def __init__(self, settings: TwinSettings, engine: Engine, tokenizer: Tokenizer):
+    def __init__(
+        self, settings: TwinSettings, engine: Engine, tokenizer: Tokenizer, api_key: str | None = None
+    ):
         self.settings = settings
+        self._api_key = api_key  # not a setting: /server_info and the manifest's sim settings never show it
         self.engine = engine
         self.tok = tokenizer
         self.model_name: str = settings.served_model_name
@@ -279,7 +283,9 @@ class SimServer:
         self.worker_id: str = settings.worker_id or base_url(settings.host, settings.port)
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        # The key check only when a key is set: an open twin pays nothing per request.
+        middlewares = [self._check_key] if self._api_key else []
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=middlewares)
         app.on_response_prepare.append(self._stamp)
         r = app.router
         r.add_post("/generate", self.generate)
@@ -298,6 +304,16 @@ class SimServer:
         r.add_route("POST", "/flush_cache", self.flush_cache)
         r.add_get("/metrics", self.metrics_endpoint)
         return app
+
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler) -> web.StreamResponse:
+        """SGLang's ``--api-key``: 401 ``{"error": "Unauthorized"}`` without the key (``loadlab.sim.auth``)."""
+        headers = request.headers
+        if needs_key(request.method, request.path) and not authorized(
+            headers.get("Authorization"), headers.get("x-api-key"), self._api_key
+        ):
+            return web.Response(body=UNAUTHORIZED, status=401, content_type=JSON_CT)
+        return await handler(request)
 
     async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
         """Just before any response's headers go out (a stream's too, an error's, aiohttp's own 404):
@@ -633,6 +649,7 @@ class SimServer:
             self.metrics.finished(False, handle)
         ct = step.completion_tokens
         fr = step.finish_reason["type"] if step.finish_reason else None
+        matched = step.finish_reason.get("matched") if step.finish_reason else None  # the EOS, on a stop
         text = out.text(0, ct)
         if chat:
             choice = {
@@ -645,10 +662,16 @@ class SimServer:
                 },
                 "logprobs": None,
                 "finish_reason": fr,
-                "matched_stop": None,
+                "matched_stop": matched,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr, "matched_stop": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": fr,
+                "matched_stop": matched,
+            }
         obj = {
             "id": handle.rid,
             "object": "chat.completion" if chat else "text_completion",
@@ -665,9 +688,10 @@ class SimServer:
         obj_name = "chat.completion.chunk" if chat else "text_completion"
         rid = h.rid
 
-        def chunk(field: str, value: Any, finish_reason: str | None, usage: dict | None) -> bytes:
+        def chunk(field: str, value: Any, finish_reason: str | None, usage: dict | None,
+                  matched: int | None = None) -> bytes:  # fmt: skip
             choice = {"index": 0, field: value, "logprobs": None, "finish_reason": finish_reason,
-                      "matched_stop": None}  # fmt: skip
+                      "matched_stop": matched}  # fmt: skip
             return b"data: " + _dumps({"id": rid, "object": obj_name, "created": created, "model": model,
                                        "choices": [choice], "usage": usage}) + b"\n\n"  # fmt: skip
 
@@ -679,6 +703,7 @@ class SimServer:
             text = out.text(ct - step.new_tokens, ct)
             usage = self._usage(h, ct, drop_none=False) if continuous else None
             fr = step.finish_reason["type"] if step.finish_reason is not None else None
+            matched = step.finish_reason.get("matched") if step.finish_reason is not None else None
             payload = b""
             if chat:
                 if step.new_tokens == ct:  # the first event opens with the assistant's role
@@ -686,9 +711,9 @@ class SimServer:
                 if text:
                     payload += chunk("delta", delta(text), None, usage)
                 if fr is not None:
-                    payload += chunk("delta", delta(None), fr, usage)
+                    payload += chunk("delta", delta(None), fr, usage, matched)
             else:
-                payload += chunk("text", text, fr, usage)
+                payload += chunk("text", text, fr, usage, matched)
             if fr is not None:
                 if include_usage:
                     payload += b"data: " + _dumps({"id": rid, "object": obj_name, "created": created,

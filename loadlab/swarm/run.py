@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import gevent
 import locust
 
-from loadlab.load import Tickets, arrivals_for, describe_load
+from loadlab.load import describe_load, tickets_for
 from loadlab.manifest import (
     ClientVerdict,
     Counts,
@@ -24,11 +24,13 @@ from loadlab.manifest import (
     software_versions,
     write_manifest,
 )
-from loadlab.profile import Profile
+from loadlab.profile import API_PATHS, Profile, api_key_source, redact
 from loadlab.records import (
     OK,
+    RECORD_FIELDS,
     SPILL_DIR,
     RecordWriter,
+    RequestRecord,
     default_run_name,
     merge_spills,
     read_jsonl_records,
@@ -38,6 +40,7 @@ from loadlab.records import (
 )
 from loadlab.swarm.calibration import verdict
 from loadlab.swarm.options import DEFAULT_LIMIT_CPU, DEFAULT_LIMIT_MS
+from loadlab.target.probe import REFUSED, refusal
 
 if TYPE_CHECKING:
     from loadlab.analysis.summary import Summary
@@ -60,13 +63,15 @@ class Run:
         model: str | None,
         users: int,
         argv: list[str],
+        api_key: str | None = None,
     ):
         self.profile = profile
+        self.api_key = api_key  # sent by this process's users; never written anywhere (redact)
         self.api = profile.target.api
         self.model = model
         self.workload = workload
         self.renderer = renderer
-        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals_for(profile))
+        self.tickets = tickets_for(profile)
         self.dir = Path(out_root) / unique_run_name(out_root, run_name or default_run_name(profile.name))
         self.dir.mkdir(parents=True)
         self.run_id = self.dir.name
@@ -82,7 +87,15 @@ class Run:
         self.calibration: dict[str, Any] | None = None
         self.scraper = None  # the target's /metrics scraper process (loadlab.target.scraper)
         self.client_limits = (DEFAULT_LIMIT_MS, DEFAULT_LIMIT_CPU)
+        self.live = None  # loadlab.swarm.live.LiveFigures, when the web UI or --metrics-port shows them
         self.finalized = False
+        # A request the target refused for want of credentials (a gateway that lets the probe through):
+        # every other request would be refused too, so the run stops (on_refused) with this line.
+        self.refused: str | None = None
+        self.on_refused = None
+        # The report's summary once summary.md, report.html and records.parquet are written (the console
+        # block prints it; the web UI's Download Data serves the files).
+        self.summary: Summary | None = None
         self.manifest = Manifest(
             run_id=self.run_id,
             profile_path=profile_path,
@@ -95,7 +108,7 @@ class Run:
                 warmup_expected=profile.requests.warmup, measured_expected=profile.requests.measured
             ),
             versions=software_versions(locust=locust.__version__, gevent=gevent.__version__),
-            command=argv,
+            command=redact(list(argv), api_key),  # a key given on a command line stays out of it
         )
         write_manifest(self.dir, self.manifest)
 
@@ -107,7 +120,15 @@ class Run:
             log.error("loadlab: request %d recorded twice; the second record is dropped", rec.index)
             return
         self.writer.write(rec)
+        if rec.http_status in REFUSED and self.refused is None:
+            target = self.profile.target
+            self.refused = refusal(self.manifest.target.url, f"POST {API_PATHS[rec.api]}", rec.http_status,
+                                   self.api_key, api_key_source(target)) + "; the run stops"  # fmt: skip
+            if self.on_refused is not None:
+                self.on_refused(self.refused)
         self.indices.add(rec.index)
+        if self.live is not None:
+            self.live.add(rec)
         self.outcomes[rec.outcome] = self.outcomes.get(rec.outcome, 0) + 1
         if self.lost.pop(rec.index, None) is None:  # a request given up as lost is already counted
             self.tickets.finished(rec.phase)
@@ -165,7 +186,9 @@ class Run:
         if self.coordinator is not None:
             m.load_generators = self.coordinator.load_generators()
             generators += self.coordinator.calibrations()
-            m.failure = self.coordinator.failure
+            m.failure = redact(self.coordinator.failure, self.api_key)
+        if self.refused is not None:
+            m.failure = m.failure or self.refused
         if generators:
             m.client = ClientVerdict.model_validate(verdict(generators, *self.client_limits))
         write_manifest(self.dir, self.manifest)
@@ -173,7 +196,7 @@ class Run:
         # otherwise import at start-up and keep on its heap, only for the one process that finalizes.
         from loadlab.analysis.report import write_report
 
-        summary = write_report(self.dir)
+        summary = self.summary = write_report(self.dir)
         client = self.manifest.client
         if client is not None and client.client_bound:
             log.warning(
@@ -210,6 +233,8 @@ class Run:
             else:
                 self.tickets.finished(row["phase"])
             self.outcomes[row["outcome"]] = self.outcomes.get(row["outcome"], 0) + 1
+            if self.live is not None:  # so the live figures end equal to the report's
+                self.live.add(RequestRecord(**{k: v for k, v in row.items() if k in RECORD_FIELDS}))
         spill = self.dir / SPILL_DIR
         if spill.is_dir():
             for path in spill.glob("*.jsonl"):

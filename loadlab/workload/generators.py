@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -83,13 +83,29 @@ class WorkloadGenerator:
         """The request spec for ``index`` (>= 0): a pure function of (workload, seed, index)."""
         if isinstance(index, bool) or not isinstance(index, int | np.integer) or index < 0:
             raise ValueError(f"request index must be a non-negative integer (got {index!r})")
-        return self._spec(int(index))
+        spec = self._spec(int(index))
+        return spec if self.config.ignore_eos else dataclasses.replace(spec, ignore_eos=False)
 
     def specs(self, indices: Iterable[int]) -> Iterator[RequestSpec]:
         for i in indices:
             yield self.spec(i)
 
     def _spec(self, index: int) -> RequestSpec:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def reusable_prefix(self, indices: Sequence[int]) -> np.ndarray:
+        """For each of ``indices`` (ascending, distinct), how many leading prompt tokens it shares with a
+        request of a lower index among them: what a prefix cache that never evicts could serve it.
+
+        Capped at the prompt's length - 1 (a server always computes the last prompt token itself, so it
+        never reports the whole prompt cached). Computed from the workload's structure (which shared parts
+        each prompt is built from), not from the prompts, so it costs a small part of generating them.
+        Two different random parts (passages, questions) begin with the same word only by chance (1 in
+        len(WORDS)); the few tokens such a coincidence adds are not counted.
+        """
+        return np.asarray(self._reusable_prefix([int(i) for i in indices]), dtype=np.int64)
+
+    def _reusable_prefix(self, indices: list[int]) -> list[int]:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -169,6 +185,21 @@ class RagGenerator(WorkloadGenerator):
             prefix_group=pids[0],
         )
 
+    def _reusable_prefix(self, indices: list[int]) -> list[int]:
+        # Any earlier request shares the instruction; one that began with the same d passages shares those
+        # too (passages are in rank order, so equal leading passage ids are equal leading tokens).
+        w: RagWorkloadConfig = self.config
+        seen: set[tuple[int, ...]] = set()
+        out = []
+        for n, index in enumerate(indices):
+            pids = tuple(self.draw_passages(_rng(self._s, index, _SALT_RAG_REQUEST)))
+            depth = 0
+            while depth < self.k and pids[: depth + 1] in seen:
+                depth += 1
+            out.append(min(w.instruction_len + depth * self.passage_len, w.input_len - 1) if n else 0)
+            seen.update(pids[:d] for d in range(1, self.k + 1))
+        return out
+
 
 def _lead_pair(perm0: np.ndarray, perm1: np.ndarray, j: int) -> list[int]:
     """Two leading word ids unique for each j in [0, W*W): the low digit first, so even the first
@@ -224,6 +255,34 @@ class SharedPrefixGenerator(WorkloadGenerator):
         ids = np.concatenate([self.system_prompt(group), question]).tolist()
         return RequestSpec(index=index, input_ids=tuple(ids), max_new_tokens=w.output_len, prefix_group=group)
 
+    def _reusable_prefix(self, indices: list[int]) -> list[int]:
+        # An earlier request of the group shares the system prompt, and one or both lead words of the question
+        # when its number agrees modulo W (or W*W); another group whose number agrees modulo W shares the
+        # system prompt's first word only.
+        w: SharedPrefixWorkloadConfig = self.config
+        W = NUM_WORDS
+        groups: set[int] = set()
+        first_words: set[int] = set()
+        # (group, 1 or 2 lead words, the question number modulo W or W*W)
+        leads: set[tuple[int, int, int]] = set()
+        out = []
+        for index in indices:
+            group = self.group_of(index)
+            nth = index // w.num_groups if w.group_order == "round_robin" else index
+            if group in groups:
+                shared = w.system_prompt_len
+                if (group, 2, nth % (W * W)) in leads and w.question_len >= 2:
+                    shared += 2
+                elif (group, 1, nth % W) in leads:
+                    shared += 1
+            else:
+                shared = 1 if group % W in first_words else 0
+            out.append(min(shared, w.system_prompt_len + w.question_len - 1))
+            groups.add(group)
+            first_words.add(group % W)
+            leads.update(((group, 1, nth % W), (group, 2, nth % (W * W))))
+        return out
+
 
 class RandomPrefixGenerator(WorkloadGenerator):
     """Prompts that share nothing from the first token.
@@ -257,10 +316,40 @@ class RandomPrefixGenerator(WorkloadGenerator):
         ids = _lead_pair(self._p0, self._p1, index) + _words(rng, n_in - 2).tolist()
         return RequestSpec(index=index, input_ids=tuple(ids), max_new_tokens=n_out, prefix_group=None)
 
+    def _reusable_prefix(self, indices: list[int]) -> list[int]:
+        # Only the two lead words can repeat: the first for indices equal modulo W, both modulo W*W.
+        w: RandomPrefixWorkloadConfig = self.config
+        W = NUM_WORDS
+        one: set[int] = set()
+        two: set[int] = set()
+        out = []
+        for index in indices:
+            shared = 2 if index % (W * W) in two else (1 if index % W in one else 0)
+            if shared == 2:  # the whole prompt only when it has two tokens; the server computes the last
+                n_in = w.input_len
+                if w.input_len_range is not None:
+                    n_in = int(
+                        _rng(self._s, index, _SALT_RP_REQUEST).integers(
+                            w.input_len_range[0], w.input_len_range[1] + 1
+                        )
+                    )
+                shared = min(shared, n_in - 1)
+            out.append(shared)
+            one.add(index % W)
+            two.add(index % (W * W))
+        return out
+
 
 _GENERATORS: dict[str, type[WorkloadGenerator]] = {
     g.kind: g for g in (RagGenerator, SharedPrefixGenerator, RandomPrefixGenerator)
 }
+
+
+def register(generator: type[WorkloadGenerator]) -> type[WorkloadGenerator]:
+    """Adds a workload kind defined in a module of its own (it imports this one, so this one cannot import
+    it; ``loadlab.workload`` imports every such module, so the kind is known wherever a workload is built)."""
+    _GENERATORS[generator.kind] = generator
+    return generator
 
 
 def quotas(shares: list[float], n: int) -> list[int]:
@@ -359,6 +448,19 @@ class ClassedWorkload:
     def specs(self, indices: Iterable[int]) -> Iterator[RequestSpec]:
         for i in indices:
             yield self.spec(i)
+
+    def reusable_prefix(self, indices: Sequence[int]) -> np.ndarray:
+        """``WorkloadGenerator.reusable_prefix`` per class workload: each workload's requests among ``indices``
+        share only with each other (classes on different workloads are taken to share no prefix)."""
+        indices = [int(i) for i in indices]
+        out = np.zeros(len(indices), dtype=np.int64)
+        mine: dict[int, list[int]] = {}  # a workload (by id: classes on the profile's share one) -> positions
+        for pos, index in enumerate(indices):
+            mine.setdefault(id(self.generators[self.class_index(index)]), []).append(pos)
+        by_id = {id(g): g for g in self.generators}
+        for key, positions in mine.items():
+            out[positions] = by_id[key].reusable_prefix([indices[p] for p in positions])
+        return out
 
     def __repr__(self) -> str:
         return f"<ClassedWorkload seed={self.seed} {[c.name for c in self.classes]}>"
