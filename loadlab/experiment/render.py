@@ -148,7 +148,10 @@ def _overload_evidence(row: dict[str, Any]) -> str:
     if e.get("in_flight_growth_per_s") is not None:
         said.append(f"in flight growing by {e['in_flight_growth_per_s']:.1f}/s at the end")
     rate = f" at {row['rate']:g} req/s" if row.get("rate") is not None else ""
-    return f"- {label(row['config'])}{rate}: {row['over_capacity']} of {row['repeats']} runs; " + (
+    fired = ", ".join(
+        f"{name.replace('_', ' ')} {n}" for name, n in (row.get("overload_criteria") or {}).items() if n
+    )
+    return f"- {label(row['config'])}{rate}: {row['over_capacity']} of {row['repeats']} runs ({fired}); " + (
         "; ".join(said) or "no figures"
     )
 
