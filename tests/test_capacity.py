@@ -391,7 +391,9 @@ def test_open_loop_rows_state_over_capacity_with_the_evidence_and_only_when_the_
     ]
     result = {"rows": noisy, **choose(noisy, SLO)}
     assert result["choice"] == "max_running_requests=256" and noisy[0]["over_capacity"] == 1
-    assert "1 of 1 runs (in flight growing 1)" in render_md(spec, result, complete=True)
+    md = render_md(spec, result, complete=True)
+    assert "1 of 1 runs (in flight growing 1)" in md and "| in flight growing (1/1) |" in md
+    assert not any(f.startswith("over capacity") for f in result["findings"])
     bare = [summary_row({"max_running_requests": 32}, [compute_summary(None, None).dump()])]
     assert bare[0]["over_capacity"] is None
     assert "over capacity" not in render_md(spec, {"rows": bare, **choose(bare, SLO)}, complete=True)

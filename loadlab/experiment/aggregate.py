@@ -107,7 +107,9 @@ def summary_row(config: dict[str, Any], summaries: list[dict[str, Any]]) -> dict
     """A configuration's row from its runs' summaries: each column's median and range, failed requests,
     the load generator's flags, the SLO classes, and (open loop) the overload verdict: ``over_capacity``
     counts the runs whose summary says arrivals outran the server (None when no summary has a verdict: a
-    closed loop, or a summary from before verdicts), ``overload`` the evidence's medians."""
+    closed loop, or a summary from before verdicts), ``overloaded`` those where a criterion that speaks to
+    TTFT fired (OVERLOAD_FAILS), ``overload_criteria`` the runs per criterion, ``overload`` the evidence's
+    medians."""
     row: dict[str, Any] = {"config": config, "repeats": len(summaries), "values": {}}
     for column, path, scale, _ in COLUMNS:
         values = [v * scale for s in summaries if isinstance(v := _get(s, path), int | float)]
@@ -392,10 +394,11 @@ def pareto_front(rows: list[dict], column: str) -> list[int]:
 
 
 def overload_finding(rows: list[dict]) -> str | None:
-    """Open loop: the configurations whose runs were over capacity (each run's overload verdict), and
-    what that means for their TTFT and for any TTFT SLO at this rate."""
-    judged = [r for r in rows if r.get("over_capacity") is not None]
-    over = [r for r in judged if r["over_capacity"]]
+    """Open loop: the configurations whose runs were over capacity (each run's overload verdict, by the
+    criteria that speak to TTFT: ``overloaded``), and what that means for their TTFT and for any TTFT SLO at
+    this rate."""
+    judged = [r for r in rows if r.get("overloaded") is not None]
+    over = [r for r in judged if r["overloaded"]]
     if not over:
         return None
     rates = {r["rate"] for r in over}
@@ -403,7 +406,7 @@ def overload_finding(rows: list[dict]) -> str | None:
     every = len(over) == len(judged)
     names = ", ".join(label(r["config"]) for r in over)
     where = f"every configuration ({names})" if every else names
-    return (f"over capacity in {where}{at} ({sum(r['over_capacity'] for r in over)} of "
+    return (f"over capacity in {where}{at} ({sum(r['overloaded'] for r in over)} of "
             f"{sum(r['repeats'] for r in over)} runs): arrivals outran the server, so TTFT grows with the run's "
             "length and its percentiles describe this run's length, not a steady state; "
             f"{'no configuration' if every else 'none of these'} can meet a TTFT SLO at this rate (`loadlab "
@@ -517,9 +520,11 @@ def choose(
         findings.append(
             f"retractions appear from {label(first_retract['config'])}: the KV pool ran out during decode"
         )
-    findings += [f for f in (overload_finding(done), trend_finding(done)) if f]
-    if capacity is None:
-        findings += [f for f in (throughput_alone_finding(done, rejected, choice),) if f]
+    findings += [f for f in (trend_finding(done),) if f]
+    if capacity is None:  # a capacity search's rows are at their capacity: neither applies there
+        findings += [
+            f for f in (overload_finding(done), throughput_alone_finding(done, rejected, choice)) if f
+        ]
     return {
         "knee": knee,
         "latency_knee": label(done[lk]["config"]) if lk is not None else None,
