@@ -121,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
         "capacity", help="each configuration's capacity at SLO: the highest load at which the SLO holds"
     )
     capacity.add_argument(
-        "sweep_file", help="sweep YAML; its capacity: key tunes the search (defaults otherwise)"
+        "sweep_file", help="sweep YAML (its axes, launch, set, slo); its capacity: key tunes the search"
     )
     capacity.add_argument("--out", default=None, metavar="DIR",
                           help="directory (default: reports/capacity-<name>[-virtual]); the same one resumes")  # fmt: skip
