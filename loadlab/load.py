@@ -20,7 +20,7 @@ from gevent.event import Event
 from loadlab.manifest import LoadDescription
 from loadlab.profile import Profile
 from loadlab.records import MEASURE, WARMUP
-from loadlab.sim.clock import quantize
+from loadlab.sim.clock import TICK, quantize
 
 
 class Ticket(NamedTuple):
@@ -45,7 +45,7 @@ class Arrivals:
     def restart(self) -> None:
         self.start = None
 
-    def due(self, now: float) -> float:
+    def due(self, now: float, index: int) -> float:
         if self.start is None:
             self.start, self.offset = now, 0.0
         due = self.start + self.offset
@@ -54,10 +54,43 @@ class Arrivals:
         return due
 
 
-def arrivals_for(profile: Profile) -> Arrivals | None:
-    """The profile's arrival generator (open loop), or None (closed loop)."""
+class TraceArrivals:
+    """A trace's own due times: request ``index`` at its time in the trace (seconds from the trace's first
+    line) divided by ``speed``, counted from the phase's first request, which is due when the phase starts
+    (warm-up at the first ticket, measured when the barrier opens). Offsets are put on the virtual clock's
+    grid one by one, so they are exact and the same whatever the clock."""
+
+    def __init__(self, times_s: list[float], speed: float):
+        self.times = times_s
+        self.speed = speed
+        self.start: float | None = None
+        self.first = 0.0
+
+    def restart(self) -> None:
+        self.start = None
+
+    def due(self, now: float, index: int) -> float:
+        t = self.times[index]
+        if self.start is None:
+            self.start, self.first = now, t
+        return self.start + round((t - self.first) / self.speed / TICK) * TICK
+
+
+def arrivals_for(profile: Profile, workload=None) -> Arrivals | TraceArrivals | None:
+    """The profile's arrival generator (open loop), or None (closed loop). Trace arrivals take their times
+    from the workload (a trace's ``arrival_times_s()``)."""
     load = profile.load
-    return Arrivals(load.rate, load.arrival, profile.seed) if load.model == "open" else None
+    if load.model != "open":
+        return None
+    if load.arrival == "trace":
+        times = workload.arrival_times_s() if workload is not None else None
+        if times is None or len(times) < profile.total_requests:
+            have = "no trace" if times is None else f"a trace of {len(times)} requests"
+            raise ValueError(
+                f"trace arrivals for {profile.total_requests} requests need as many lines: {have}"
+            )
+        return TraceArrivals(times, load.speed)
+    return Arrivals(load.rate, load.arrival, profile.seed)
 
 
 class Tickets:
@@ -102,7 +135,7 @@ class Tickets:
         index = self.next_index
         if index < self.warmup:
             self.next_index += 1
-            return Ticket(index, WARMUP, self._due(now))
+            return Ticket(index, WARMUP, self._due(now, index))
         if not self.warmup_done.is_set():
             return None
         self.next_index += 1
@@ -112,10 +145,10 @@ class Tickets:
                 self.arrivals.restart()  # measured arrivals start when the barrier opens
             if self.on_measure_start is not None:
                 self.on_measure_start()
-        return Ticket(index, MEASURE, self._due(now))
+        return Ticket(index, MEASURE, self._due(now, index))
 
-    def _due(self, now: float) -> float | None:
-        return self.arrivals.due(now) if self.arrivals is not None else None
+    def _due(self, now: float, index: int) -> float | None:
+        return self.arrivals.due(now, index) if self.arrivals is not None else None
 
     def finished(self, phase: str) -> bool:
         """Counts a finished request; True when it was the last warm-up request (the barrier opens)."""
@@ -146,11 +179,15 @@ def describe_load(profile: Profile, users: int) -> LoadDescription:
         )
     uncapped = load.concurrency is None and users >= profile.requests.warmup + profile.requests.measured
     cap = "no cap on requests in flight" if uncapped else f"at most {users} in flight"
+    trace = load.arrival == "trace"
+    pace = (f"at the trace's own times{f' x{load.speed:g} speed' if load.speed != 1 else ''}" if trace
+            else f"{load.rate:g} req/s ({load.arrival})")  # fmt: skip
     return LoadDescription(
         model="open",
         rate=load.rate,
         arrival=load.arrival,
+        speed=load.speed if trace else None,
         concurrency=None if uncapped else users,
         users=users,
-        description=f"open loop, {load.rate:g} req/s ({load.arrival}), {cap}",
+        description=f"open loop, {pace}, {cap}",
     )

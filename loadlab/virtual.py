@@ -80,7 +80,7 @@ from loadlab.sim.cost import cost_model
 from loadlab.sim.radix import RadixCache
 from loadlab.sim.scheduler import DONE, Request, RequestTooLargeError, Scheduler, UnavailableError
 from loadlab.sim.settings import TwinSettings, engine_config, resolve_settings
-from loadlab.workload import build_workload
+from loadlab.workload import build_workload, workload_source
 
 WORKER_ID = "virtual"
 
@@ -189,7 +189,8 @@ class VirtualRun:
         self.open_loop = load.model == "open"
         self.cap = load.concurrency  # None: an open loop without a cap
         # The real run's tickets and arrivals, on the virtual clock: the same indices, phases and due times.
-        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals_for(profile))
+        arrivals = arrivals_for(profile, self.specs.workload)
+        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals)
         self.records: list[RequestRecord] = []
         self.outcomes: dict[str, int] = {}
         self.queue_delays_ms: list[float] = []
@@ -739,6 +740,7 @@ def run_virtual(
         model=settings.served_model_name,
         # One "user" per request in flight: the cap, or every request when there is none.
         load=describe_load(profile, profile.load.concurrency or requests.warmup + requests.measured),
+        workload_source=workload_source(_specs_for(profile).workload),
         virtual=True,
         sim=shown,
         started_wall=epoch,

@@ -21,8 +21,16 @@ def build_body(api: str, spec, renderer, model: str | None, rid: str) -> tuple[s
     ``priority`` (SGLang's field; the profile refuses it with chat, where the router drops it) and its
     ``model`` in place of the run's."""
     if api == "generate":
+        # A replayed prompt goes as its token ids when they are the target's (counted by its tokenizer), else
+        # as its text, which the server tokenizes itself; a generated prompt as rendered word ids.
+        if spec.raw_ids:
+            prompt: dict = {"input_ids": list(spec.input_ids)}
+        elif spec.text is not None:
+            prompt = {"text": spec.text}
+        else:
+            prompt = {"input_ids": renderer.token_ids(spec.input_ids)}
         body = {
-            "input_ids": renderer.token_ids(spec.input_ids),
+            **prompt,
             "sampling_params": {
                 "max_new_tokens": spec.max_new_tokens,
                 "ignore_eos": True,
@@ -42,11 +50,16 @@ def build_body(api: str, spec, renderer, model: str | None, rid: str) -> tuple[s
             # chunks are counted exactly; include_usage adds the final totals chunk.
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
-        text = renderer.text(spec.input_ids)
-        if api == "completions":
-            body["prompt"] = text
+        if api == "chat" and spec.messages is not None:
+            body["messages"] = [{"role": role, "content": content} for role, content in spec.messages]
+        elif api == "completions" and spec.raw_ids and spec.text is None:
+            body["prompt"] = list(spec.input_ids)  # a file's token ids: the completions API takes them as is
         else:
-            body["messages"] = [{"role": "user", "content": text}]
+            text = spec.text if spec.text is not None else renderer.text(spec.input_ids)
+            if api == "completions":
+                body["prompt"] = text
+            else:
+                body["messages"] = [{"role": "user", "content": text}]
     if spec.priority is not None:
         body["priority"] = spec.priority
     return API_PATHS[api], orjson.dumps(body)

@@ -38,6 +38,7 @@ from loadlab.records import (
 )
 from loadlab.swarm.calibration import verdict
 from loadlab.swarm.options import DEFAULT_LIMIT_CPU, DEFAULT_LIMIT_MS
+from loadlab.workload import workload_source
 
 if TYPE_CHECKING:
     from loadlab.analysis.summary import Summary
@@ -66,7 +67,8 @@ class Run:
         self.model = model
         self.workload = workload
         self.renderer = renderer
-        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals_for(profile))
+        arrivals = arrivals_for(profile, workload)
+        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals)
         self.dir = Path(out_root) / unique_run_name(out_root, run_name or default_run_name(profile.name))
         self.dir.mkdir(parents=True)
         self.run_id = self.dir.name
@@ -93,6 +95,7 @@ class Run:
             target=target,
             model=model,
             load=describe_load(profile, users),
+            workload_source=workload_source(workload),
             started_wall=time.time(),
             counts=Counts(
                 warmup_expected=profile.requests.warmup, measured_expected=profile.requests.measured

@@ -5,8 +5,19 @@ ids into ``WORDS``; ``Renderer`` turns them into token ids (native /generate) or
 See docs/workloads.md.
 """
 
-from loadlab.workload.generators import build_workload
+# The kinds kept in modules of their own register themselves with the generators on import.
+from loadlab.workload import bench_serving, datasets, trace  # noqa: F401
+from loadlab.workload.generators import build_workload, workload_source
 from loadlab.workload.text import TOKEN_ID_BASE, Renderer, RenderError, get_renderer
 from loadlab.workload.words import NUM_WORDS, WORDS
 
-__all__ = ["NUM_WORDS", "TOKEN_ID_BASE", "WORDS", "RenderError", "Renderer", "build_workload", "get_renderer"]
+__all__ = [
+    "NUM_WORDS",
+    "TOKEN_ID_BASE",
+    "WORDS",
+    "RenderError",
+    "Renderer",
+    "build_workload",
+    "get_renderer",
+    "workload_source",
+]

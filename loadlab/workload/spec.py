@@ -17,6 +17,13 @@ class RequestSpec:
     priority: int | None = None
     class_header: str | None = None
     model: str | None = None
+    # A prompt replayed from a file (the dataset kind), sent as the file has it: its text (/generate's text,
+    # /v1/completions' prompt, a chat user message) or chat messages ((role, content) pairs). input_ids are
+    # then its tokens as counted (docs/workloads.md). raw_ids: input_ids are the target's token ids, sent as
+    # they are (/generate's input_ids, a token-id completions prompt), not word ids to render.
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    raw_ids: bool = False
 
     @property
     def input_len(self) -> int:
