@@ -315,8 +315,10 @@ def _cmd_validate(args) -> int:
         classes = f", {len(profile.classes)} classes" if profile.classes else ""
         read = ""
         if source is not None:
-            left = "".join(f", {n} {why}" for why, n in source["filtered"].items()) if source.get("filtered") else ""
-            read = f", {source['entries']} of {source['entries_read']} {source['format']} entries usable{left}"
+            left = "".join(f", {n} {why}" for why, n in source.get("filtered", {}).items())
+            read = (
+                f", {source['entries']} of {source['entries_read']} {source['format']} entries usable{left}"
+            )
         print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests{classes}{on}{read})")
     return exits.OK
 

@@ -468,7 +468,7 @@ class Summary(_FlatLatency, _Goodput):
     server_version: str | None = Field(description="The target's /server_info version at the start.")
     load_model: str = Field(description="The configured load in words, e.g. 'closed loop, 32 in flight'.")
     prompt_lengths: str | None = Field(
-        None, description="A workload replayed from a file: how its lengths were counted (manifest workload_source)."
+        None, description="A file's workload: how its lengths were counted (manifest workload_source)."
     )
     max_concurrency: int | None = Field(description="The configured cap on requests in flight.")
     request_rate: float | None = Field(description="The configured open-loop rate (req/s).")
