@@ -97,6 +97,9 @@ class WorkloadSource(_Model):
     repeated_block_share: float | None = Field(
         None, description="trace: share of prompt blocks whose hash-id prefix an earlier line already had"
     )
+    repeated_token_share: float | None = Field(
+        None, description="trace: share of prompt tokens in those blocks"
+    )
 
 
 class Counts(_Model):

@@ -106,13 +106,17 @@ class _Prefixes:
         return seen, tokens
 
 
-def repeated_block_share(lines: list[TraceLine], block_size: int) -> float:
-    """The share of the trace's hashed blocks whose prefix (the block and every one before it) an earlier
-    line already had: what a prefix cache that never evicts would serve, counted in blocks."""
+def repeated_shares(lines: list[TraceLine], block_size: int) -> tuple[float, float]:
+    """The trace's reuse: (the share of its hashed blocks whose prefix, the block and every one before it,
+    an earlier line already had; the share of its prompt tokens in those blocks). What a prefix cache that
+    never evicts would serve, counted in blocks and in tokens (a partial last block weighs less)."""
     tree = _Prefixes()
-    seen = sum(tree.walk(t, block_size)[0] for t in lines)
-    total = sum(len(t.hash_ids) for t in lines)
-    return seen / total if total else 0.0
+    blocks = tokens = 0
+    for t in lines:
+        seen, shared = tree.walk(t, block_size)
+        blocks, tokens = blocks + seen, tokens + shared
+    total_blocks = sum(len(t.hash_ids) for t in lines)
+    return blocks / max(1, total_blocks), tokens / sum(t.input_length for t in lines)
 
 
 class TraceGenerator(WorkloadGenerator):
@@ -133,6 +137,7 @@ class TraceGenerator(WorkloadGenerator):
         distinct = len({h for t in self.lines for h in t.hash_ids}) or 1
         self.block = functools.lru_cache(maxsize=_cache_size(w.block_size, distinct))(self._make_block)
         t0 = self.lines[0].timestamp_ms
+        by_blocks, by_tokens = repeated_shares(self.lines, w.block_size)
         self.source = {
             "path": w.path,
             "format": "mooncake",
@@ -141,7 +146,8 @@ class TraceGenerator(WorkloadGenerator):
             "lengths": "the trace's input_length and output_length, in tokens (exact on /generate, with a "
             "tokenizer, or against the twin)",
             "trace_span_s": (self.lines[-1].timestamp_ms - t0) / 1000.0,
-            "repeated_block_share": repeated_block_share(self.lines, w.block_size),
+            "repeated_block_share": by_blocks,
+            "repeated_token_share": by_tokens,
         }
 
     def _make_block(self, hash_id: int) -> np.ndarray:
