@@ -31,12 +31,14 @@ def test_length_range_is_bench_servings():
 
 
 @pytest.mark.parametrize("kind", ["random", "random-ids"])
-@pytest.mark.parametrize(("L", "O", "ratio"), [(1024, 256, 0.5), (300, 40, 0.25), (64, 8, 0.0), (128, 16, 1.0)])
-def test_random_lengths_are_uniform_over_bench_servings_bounds(kind, L, O, ratio):
-    w = workload(3, kind=kind, random_input_len=L, random_output_len=O, random_range_ratio=ratio)
+@pytest.mark.parametrize(
+    ("full_in", "full_out", "ratio"), [(1024, 256, 0.5), (300, 40, 0.25), (64, 8, 0.0), (128, 16, 1.0)]
+)
+def test_random_lengths_are_uniform_over_bench_servings_bounds(kind, full_in, full_out, ratio):
+    w = workload(3, kind=kind, random_input_len=full_in, random_output_len=full_out, random_range_ratio=ratio)
     n = 4000
     ins, outs = lengths(w, n)
-    (lo_in, hi_in), (lo_out, hi_out) = length_range(L, ratio), length_range(O, ratio)
+    (lo_in, hi_in), (lo_out, hi_out) = length_range(full_in, ratio), length_range(full_out, ratio)
     # Every draw inside the bounds, and both ends reached: the bounds themselves, exactly.
     assert ins.min() == lo_in and ins.max() == hi_in
     assert outs.min() == lo_out and outs.max() == hi_out
@@ -91,8 +93,10 @@ def test_generated_shared_prefix_is_bench_servings_set_shuffled():
     by_group: dict[int, list] = {}
     for s in specs:
         by_group.setdefault(s.prefix_group, []).append(s.input_ids)
-    for g, prompts in by_group.items():
-        assert {p[:40] for p in prompts} == {prompts[0][:40]} and len({p[40:] for p in prompts}) == len(prompts)
+    for prompts in by_group.values():
+        assert {p[:40] for p in prompts} == {prompts[0][:40]} and len({p[40:] for p in prompts}) == len(
+            prompts
+        )
     assert len({prompts[0][0] for prompts in by_group.values()}) == G
     shared = w.reusable_prefix(range(len(specs)))
     firsts = {specs.index(next(s for s in specs if s.prefix_group == g)) for g in range(G)}
@@ -125,12 +129,16 @@ def test_defaults_are_bench_servings():
 def test_length_flags_map_to_bench_servings_names_and_mistakes_are_one_line(tmp_path):
     p = tmp_path / "p.yaml"
     p.write_text("workload:\n  kind: random\n  random_range_ratio: 1.5\n")
-    with pytest.raises(ProfileError, match=r"p.yaml:3: workload.random_range_ratio: .*less than or equal to 1"):
+    with pytest.raises(
+        ProfileError, match=r"p.yaml:3: workload.random_range_ratio: .*less than or equal to 1"
+    ):
         load_profile(p)
     p.write_text("workload: {kind: random-ids}\n")
     prof = load_profile(p, {"workload.input_len": 77, "workload.output_len": 9})
     assert (prof.workload.random_input_len, prof.workload.random_output_len) == (77, 9)
     p.write_text("workload: {kind: generated-shared-prefix}\n")
     assert load_profile(p, {"workload.output_len": 9}).workload.gsp_output_len == 9
-    with pytest.raises(ProfileError, match="--input-len: a generated-shared-prefix workload takes its lengths"):
+    with pytest.raises(
+        ProfileError, match="--input-len: a generated-shared-prefix workload takes its lengths"
+    ):
         load_profile(p, {"workload.input_len": 9})
