@@ -317,7 +317,7 @@ def _cmd_validate(args) -> int:
         if source is not None:
             left = "".join(f", {n} {why}" for why, n in source.get("filtered", {}).items())
             read = (
-                f", {source['entries']} of {source['entries_read']} {source['format']} entries usable{left}"
+                f", {source['entries']} of {source['entries_read']} {source['format']} prompts usable{left}"
             )
         print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests{classes}{on}{read})")
     return exits.OK

@@ -89,7 +89,7 @@ class LoadDescription(_Model):
 class WorkloadSource(_Model):
     path: str = Field(description="the file the workload replays (`workload.path`)")
     format: Literal["jsonl", "sharegpt", "mooncake"] = Field(description="how it was read")
-    entries_read: int = Field(description="prompts (or trace lines) read from it, before the length filter")
+    entries_read: int = Field(description="prompts (or trace lines) read from it, before the filter")
     entries: int = Field(description="those the requests are drawn from, after the filter")
     filtered: dict[str, int] = Field(default_factory=dict, description="left out, by reason")
     lengths: str = Field(description="how prompt and output lengths were counted (exact, or an estimate)")

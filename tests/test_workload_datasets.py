@@ -234,7 +234,7 @@ def test_missing_file_and_wrong_format_are_the_profiles_one_line_errors(tmp_path
     assert load_profile(p, {"workload.output_len": 5}).workload.output_len == 5
     done = subprocess.run([sys.executable, "-m", "loadlab", "validate", str(p)], capture_output=True, text=True,
                           cwd=REPO, timeout=60)  # fmt: skip
-    assert done.returncode == 0 and "1 of 1 sharegpt entries usable" in done.stdout, done.stderr
+    assert done.returncode == 0 and "1 of 1 sharegpt prompts usable" in done.stdout, done.stderr
 
 
 @needs_tokenizers

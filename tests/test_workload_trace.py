@@ -122,7 +122,7 @@ def test_trace_arrivals_in_the_profile(tmp_path):
     assert prof.workload.path == str(tmp_path / "t.jsonl") and prof.load.concurrency is None
     done = subprocess.run([sys.executable, "-m", "loadlab", "validate", str(p)], capture_output=True, text=True,
                           cwd=REPO, timeout=60)  # fmt: skip
-    assert done.returncode == 0 and "(trace, 2 requests, 2 of 2 mooncake entries usable)" in done.stdout
+    assert done.returncode == 0 and "(trace, 2 requests, 2 of 2 mooncake prompts usable)" in done.stdout
 
 
 def test_due_times_are_the_traces_scaled_by_speed_each_phase_from_its_start():

@@ -184,8 +184,8 @@ def jsonl_prompts(path: str, text: str) -> list[Raw]:
     return out
 
 
-def sharegpt_prompts(path: str, text: str, turns: str) -> tuple[list[Raw], int, int]:
-    """(prompts, conversations read, conversations skipped for having fewer than two turns)."""
+def sharegpt_prompts(path: str, text: str, turns: str) -> tuple[list[Raw], int]:
+    """(prompts, conversations skipped for having fewer than two turns)."""
     out: list[Raw] = []
     items = json_list_items(path, text)
     short = 0
@@ -212,7 +212,7 @@ def sharegpt_prompts(path: str, text: str, turns: str) -> tuple[list[Raw], int, 
         for k in range(len(conv) - 1):
             if conv[k]["from"].lower() in HUMAN and conv[k + 1]["from"].lower() not in HUMAN:
                 out.append(Raw(line, text=conv[k]["value"], reply=conv[k + 1]["value"]))
-    return out, len(items), short
+    return out, short
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -258,7 +258,8 @@ class DatasetGenerator(WorkloadGenerator):
         fmt = sniff(path, text) if w.format == "auto" else w.format
         filtered: dict[str, int] = {}
         if fmt == "sharegpt":
-            raws, read, short = sharegpt_prompts(path, text, w.turns)
+            raws, short = sharegpt_prompts(path, text, w.turns)
+            read = len(raws) + short  # what is read minus what is filtered is what is used, in every format
             if short:
                 filtered["conversations with fewer than 2 turns"] = short
         else:
