@@ -129,8 +129,9 @@ _SPECS: dict[str, _Specs] = {}
 def _specs_for(profile: Profile) -> _Specs:
     # Everything build_workload reads: the classes too (their shares, workloads and carry: two profiles with
     # the same workload but other classes must not share specs).
-    key = json.dumps(profile.model_dump(mode="json", include={"seed", "workload", "classes", "requests"}),
-                     sort_keys=True)  # fmt: skip
+    # A dataset's prompts also depend on the tokenizer that counts them and the API they are sent on.
+    key = json.dumps([profile.model_dump(mode="json", include={"seed", "workload", "classes", "requests"}),
+                      profile.target.tokenizer, profile.target.api], sort_keys=True)  # fmt: skip
     specs = _SPECS.get(key)
     if specs is None:
         while len(_SPECS) >= 4:

@@ -67,7 +67,8 @@ class Entry:
     raw_ids: bool
 
 
-def _fail(path: str, line: int | None, key: str, problem: str) -> ProfileError:
+def file_error(path: str, line: int | None, key: str, problem: str) -> ProfileError:
+    """One line, ``file:line: key: problem`` (``file: key: problem`` for the file as a whole)."""
     return ProfileError(f"{path}:{line}: {key}: {problem}" if line else f"{path}: {key}: {problem}")
 
 
@@ -84,9 +85,11 @@ def read_text(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise _fail(path, None, "workload.path", f"cannot read the file ({e.strerror})") from None
+        raise file_error(path, None, "workload.path", f"cannot read the file ({e.strerror})") from None
     except UnicodeDecodeError as e:
-        raise _fail(path, None, "workload.path", f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise file_error(
+            path, None, "workload.path", f"not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
 
 
 def jsonl_objects(path: str, text: str) -> list[tuple[int, dict[str, Any]]]:
@@ -98,9 +101,9 @@ def jsonl_objects(path: str, text: str) -> list[tuple[int, dict[str, Any]]]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise _fail(path, n, "(line)", f"not JSON ({e.msg} at column {e.colno})") from None
+            raise file_error(path, n, "(line)", f"not JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
-            raise _fail(path, n, "(line)", f"expected a JSON object, got {type(obj).__name__}")
+            raise file_error(path, n, "(line)", f"expected a JSON object, got {type(obj).__name__}")
         out.append((n, obj))
     return out
 
@@ -114,7 +117,7 @@ def json_list_items(path: str, text: str) -> list[tuple[int, Any]]:
     decoder = json.JSONDecoder()
     i = _BLANK.match(text, 0).end()
     if text[i : i + 1] != "[":
-        raise _fail(path, 1, "(file)", "expected a JSON list of conversations (ShareGPT format)")
+        raise file_error(path, 1, "(file)", "expected a JSON list of conversations (ShareGPT format)")
     items: list[tuple[int, Any]] = []
     line, counted = 1, 0
     i = _BLANK.match(text, i + 1).end()
@@ -126,7 +129,7 @@ def json_list_items(path: str, text: str) -> list[tuple[int, Any]]:
         try:
             item, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            raise _fail(path, e.lineno, "(file)", f"not JSON ({e.msg} at column {e.colno})") from None
+            raise file_error(path, e.lineno, "(file)", f"not JSON ({e.msg} at column {e.colno})") from None
         items.append((line, item))
         i = _BLANK.match(text, end).end()
         if text[i : i + 1] == ",":
@@ -135,26 +138,28 @@ def json_list_items(path: str, text: str) -> list[tuple[int, Any]]:
         if text[i : i + 1] == "]":
             return items
         where = line + text.count("\n", counted, i)
-        raise _fail(path, where, "(file)", "expected ',' or ']' after a conversation")
+        raise file_error(path, where, "(file)", "expected ',' or ']' after a conversation")
 
 
 def _positive_int(path: str, line: int, key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _fail(path, line, key, f"must be a positive integer, got {value!r}")
+        raise file_error(path, line, key, f"must be a positive integer, got {value!r}")
     return value
 
 
 def _messages(path: str, line: int, value: Any) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, list) or not value:
-        raise _fail(path, line, "messages", "must be a non-empty list of {role, content} objects")
+        raise file_error(path, line, "messages", "must be a non-empty list of {role, content} objects")
     out = []
     for k, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _fail(path, line, f"messages[{k}].role", "missing: each message needs a role and a content")
+            raise file_error(
+                path, line, f"messages[{k}].role", "missing: each message needs a role and a content"
+            )
         try:
             content = message_text(m.get("content"))
         except ValueError as e:
-            raise _fail(path, line, f"messages[{k}].content", str(e)) from None
+            raise file_error(path, line, f"messages[{k}].content", str(e)) from None
         out.append((m["role"], content))
     return tuple(out)
 
@@ -165,19 +170,19 @@ def jsonl_prompts(path: str, text: str) -> list[Raw]:
         given = [k for k in PROMPT_KEYS if k in obj]
         if len(given) != 1:
             problem = f"one of {', '.join(PROMPT_KEYS)}, not " + (" and ".join(given) if given else "none")
-            raise _fail(path, n, given[1] if len(given) > 1 else "prompt", f"each line needs {problem}")
+            raise file_error(path, n, given[1] if len(given) > 1 else "prompt", f"each line needs {problem}")
         key, value = given[0], obj[given[0]]
         lengths = [k for k in OUTPUT_KEYS if k in obj]
         if len(lengths) > 1:
-            raise _fail(path, n, lengths[1], f"give one output length, not {' and '.join(lengths)}")
+            raise file_error(path, n, lengths[1], f"give one output length, not {' and '.join(lengths)}")
         output_len = _positive_int(path, n, lengths[0], obj[lengths[0]]) if lengths else None
         if key in ("prompt", "text"):
             if not isinstance(value, str):
-                raise _fail(path, n, key, f"must be a string, got {type(value).__name__}")
+                raise file_error(path, n, key, f"must be a string, got {type(value).__name__}")
             out.append(Raw(n, text=value, output_len=output_len))
         elif key == "input_ids":
             if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
-                raise _fail(path, n, key, "must be a list of non-negative integer token ids")
+                raise file_error(path, n, key, "must be a list of non-negative integer token ids")
             out.append(Raw(n, ids=tuple(value), output_len=output_len))
         else:
             out.append(Raw(n, messages=_messages(path, n, value), output_len=output_len))
@@ -191,18 +196,20 @@ def sharegpt_prompts(path: str, text: str, turns: str) -> tuple[list[Raw], int]:
     short = 0
     for line, item in items:
         if not isinstance(item, dict):
-            raise _fail(path, line, "(conversation)", f"expected an object, got {type(item).__name__}")
+            raise file_error(path, line, "(conversation)", f"expected an object, got {type(item).__name__}")
         conv = item.get("conversations", item.get("conversation"))  # bench_serving accepts both names
         if not isinstance(conv, list):
-            raise _fail(path, line, "conversations", 'missing: a ShareGPT entry is {"conversations": '
+            raise file_error(path, line, "conversations", 'missing: a ShareGPT entry is {"conversations": '
                         '[{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}')  # fmt: skip
         for k, turn in enumerate(conv):
             if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-                raise _fail(
+                raise file_error(
                     path, line, f"conversations[{k}].value", "missing: each turn needs a string value"
                 )
             if turns == "every" and not isinstance(turn.get("from"), str):
-                raise _fail(path, line, f"conversations[{k}].from", "missing: every turn needs its speaker")
+                raise file_error(
+                    path, line, f"conversations[{k}].from", "missing: every turn needs its speaker"
+                )
         if len(conv) < 2:
             short += 1
             continue
@@ -219,7 +226,7 @@ def sharegpt_prompts(path: str, text: str, turns: str) -> tuple[list[Raw], int]:
 # Counting
 
 
-class Counter:
+class TokenCounter:
     """Token counts as the target will count them: the tokenizer's (without special tokens), else one per
     whitespace-separated word, with the ids the twin gives those words (so a virtual run caches alike)."""
 
@@ -264,16 +271,20 @@ class DatasetGenerator(WorkloadGenerator):
                 filtered["conversations with fewer than 2 turns"] = short
         else:
             if sniff(path, text) == "sharegpt":
-                raise _fail(path, 1, "(file)", "a JSON list, not JSON lines: set format: sharegpt (or auto)")
+                raise file_error(
+                    path, 1, "(file)", "a JSON list, not JSON lines: set format: sharegpt (or auto)"
+                )
             raws = jsonl_prompts(path, text)
             read = len(raws)
         if not raws:
-            raise _fail(path, None, "workload.path", "no prompts in the file")
-        counter = Counter(profile.target.tokenizer)
+            raise file_error(path, None, "workload.path", "no prompts in the file")
+        counter = TokenCounter(profile.target.tokenizer)
         self.entries = self._count(path, api, raws, counter, filtered)
         if not self.entries:
             why = ", ".join(f"{n} {reason}" for reason, n in filtered.items())
-            raise _fail(path, None, "workload.path", f"no prompt is left after the length filter ({why})")
+            raise file_error(
+                path, None, "workload.path", f"no prompt is left after the length filter ({why})"
+            )
         self.source = {
             "path": path,
             "format": fmt,
@@ -285,7 +296,9 @@ class DatasetGenerator(WorkloadGenerator):
         }  # fmt: skip
         self._order = functools.lru_cache(maxsize=4)(self._make_order)
 
-    def _count(self, path: str, api: str, raws: list[Raw], counter: Counter, filtered: dict) -> list[Entry]:
+    def _count(
+        self, path: str, api: str, raws: list[Raw], counter: TokenCounter, filtered: dict
+    ) -> list[Entry]:
         w: DatasetWorkloadConfig = self.config
         # What goes on the wire, and what is counted: chat gets messages (counted as their contents' tokens,
         # without the chat template), the other APIs one text (a chat line's contents joined by newlines).
@@ -293,7 +306,7 @@ class DatasetGenerator(WorkloadGenerator):
         for r in raws:
             if r.ids is not None:
                 if api == "chat":
-                    raise _fail(path, r.line, "input_ids", "token-id prompts cannot be sent as chat messages "
+                    raise file_error(path, r.line, "input_ids", "token-id prompts cannot be sent as chat messages "
                                 "(api: chat): use api generate or completions")  # fmt: skip
                 sent.append((None, None))
             elif r.messages is not None:
@@ -319,9 +332,9 @@ class DatasetGenerator(WorkloadGenerator):
             else:
                 ids = next(counted)
             reply = len(next(counted)) if r.reply is not None and w.output_len is None else None
-            out = w.output_len or r.output_len or reply
+            out = next((n for n in (w.output_len, r.output_len, reply) if n is not None), None)
             if out is None:
-                raise _fail(path, r.line, "output_len", f"no output length: give the line one of "
+                raise file_error(path, r.line, "output_len", f"no output length: give the line one of "
                             f"{', '.join(OUTPUT_KEYS)}, or the workload output_len")  # fmt: skip
             reason = self._filtered(len(ids), out)
             if reason:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from loadlab.profile import Profile, ProfileError, TraceWorkloadConfig
-from loadlab.workload.datasets import jsonl_objects, read_text
+from loadlab.workload.datasets import file_error, jsonl_objects, read_text
 from loadlab.workload.generators import WorkloadGenerator, _cache_size, _rng, _seed_word, _words, register
 from loadlab.workload.spec import RequestSpec
 
@@ -42,10 +42,6 @@ class TraceLine:
     hash_ids: tuple[int, ...]
 
 
-def _fail(path: str, line: int | None, key: str, problem: str) -> ProfileError:
-    return ProfileError(f"{path}:{line}: {key}: {problem}" if line else f"{path}: {key}: {problem}")
-
-
 def read_trace(path: str, block_size: int) -> list[TraceLine]:
     """Every line of a trace file, checked: the four fields, their types, time order, and hash ids that fit
     the prompt (at most ceil(input_length / block_size))."""
@@ -53,29 +49,29 @@ def read_trace(path: str, block_size: int) -> list[TraceLine]:
     for n, obj in jsonl_objects(path, read_text(path)):
         for key in FIELDS:
             if key not in obj:
-                raise _fail(path, n, key, f"missing: a trace line needs {', '.join(FIELDS)}")
+                raise file_error(path, n, key, f"missing: a trace line needs {', '.join(FIELDS)}")
         ts = obj["timestamp"]
         if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
-            raise _fail(path, n, "timestamp", f"must be a number of milliseconds, got {ts!r}")
+            raise file_error(path, n, "timestamp", f"must be a number of milliseconds, got {ts!r}")
         if out and ts < out[-1].timestamp_ms:
-            raise _fail(path, n, "timestamp", f"{ts:g} is before line {out[-1].line}'s {out[-1].timestamp_ms:g}: "
+            raise file_error(path, n, "timestamp", f"{ts:g} is before line {out[-1].line}'s {out[-1].timestamp_ms:g}: "
                         "a trace is replayed in its order, which must be time order")  # fmt: skip
         lengths = []
         for key in ("input_length", "output_length"):
             v = obj[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise _fail(path, n, key, f"must be a positive integer (tokens), got {v!r}")
+                raise file_error(path, n, key, f"must be a positive integer (tokens), got {v!r}")
             lengths.append(v)
         ids = obj["hash_ids"]
         if not isinstance(ids, list) or not all(type(h) is int for h in ids):
-            raise _fail(path, n, "hash_ids", "must be a list of integers")
+            raise file_error(path, n, "hash_ids", "must be a list of integers")
         blocks = -(-lengths[0] // block_size)
         if len(ids) > blocks:
-            raise _fail(path, n, "hash_ids", f"{len(ids)} blocks, but input_length {lengths[0]} fills only "
+            raise file_error(path, n, "hash_ids", f"{len(ids)} blocks, but input_length {lengths[0]} fills only "
                         f"{blocks} of block_size {block_size}")  # fmt: skip
         out.append(TraceLine(n, float(ts), lengths[0], lengths[1], tuple(ids)))
     if not out:
-        raise _fail(path, None, "workload.path", "no requests in the trace")
+        raise file_error(path, None, "workload.path", "no requests in the trace")
     return out
 
 
