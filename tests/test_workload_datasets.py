@@ -129,6 +129,8 @@ def test_sharegpt_first_turn_or_every_turn(tmp_path):
     assert (
         dataset(f, turns="every", output_len=7).spec(0).max_new_tokens == 7
     )  # bench_serving's --sharegpt-output-len
+    empty = sharegpt(tmp_path / "e.json", [turns("a question", ""), turns("another one", "an answer")])
+    assert workload_source(dataset(empty)).filtered == {"empty replies": 1}
 
 
 def test_sampling_is_seeded_and_the_filter_counts_what_it_drops(tmp_path):
