@@ -22,7 +22,14 @@ from loadlab.cliargs import OneLineParser, non_negative, positive
 from loadlab.cluster.config import check_classes, is_cluster_file, load_cluster, load_target_cluster
 from loadlab.manifest import MANIFEST, ManifestError, read_manifest, write_manifest
 from loadlab.procs import free_port
-from loadlab.profile import CLI_OVERRIDES, CLUSTER_OVERRIDES, ProfileError, load_profile, parse_set_option
+from loadlab.profile import (
+    CLI_OVERRIDES,
+    CLUSTER_OVERRIDES,
+    ProfileError,
+    load_profile,
+    parse_set_option,
+    read_api_key,
+)
 from loadlab.records import (
     RECORDS_JSONL,
     RECORDS_PARQUET,
@@ -34,6 +41,8 @@ from loadlab.records import (
     write_parquet,
 )
 from loadlab.sim import settings
+from loadlab.sim.auth import API_KEY_ENV as SERVER_API_KEY_ENV
+from loadlab.sim.auth import key_problem, server_api_key
 from loadlab.sim.settings import BY_NAME, PROCESS_SETTINGS, resolve_settings
 from loadlab.swarm.options import (
     PASSED_THROUGH,
@@ -134,6 +143,7 @@ def _cmd_run(args) -> int:
     profile = load_profile(args.profile, overrides_from_options(args, args.host))
     build_workload(profile)
     Renderer(profile.target.tokenizer)  # a bad tokenizer file is a profile error: fail before Locust starts
+    read_api_key(profile.target, args.profile)  # a key variable or file the profile names must be there
     if profile.target.cluster:  # a bad cluster file or override of it, and classes its districts do not serve
         config = load_target_cluster(profile.target)
         check_classes(profile, args.profile, config, profile.target.cluster)  # Locust's init logs warnings
@@ -350,6 +360,12 @@ def sim_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         "virtual time instead and prints the run directory.",
     )
     settings.add_arguments(p, suppress_defaults)
+    # SGLang's flag, so a command line written for SGLang runs the twin; not a setting (never shown by
+    # /server_info or recorded). The environment variable keeps the key out of ps.
+    p.add_argument("--api-key", metavar="KEY", default=argparse.SUPPRESS if suppress_defaults else None,
+                   help="require this API key as SGLang does (401 without it; /health, /ready and /metrics "
+                   f"stay open); better: the environment variable {SERVER_API_KEY_ENV}, which keeps it off "
+                   "the command line")  # fmt: skip
     p.add_argument("--instances", type=positive(int), default=argparse.SUPPRESS if suppress_defaults else 1,
                    metavar="N", help="serve N twins with these settings in this process, each on its own "
                    "port (port 0: free ports; else PORT, PORT+1, ...); one ready line each (default: 1)")  # fmt: skip
@@ -388,6 +404,9 @@ def _cmd_sim(argv: list[str]) -> int:
     if args.virtual is not None and args.instances != 1:
         print(f"{SIM_PROG}: error: --instances: only when serving (not with --virtual)", file=sys.stderr)
         return exits.BAD_INPUT
+    if args.virtual is not None and args.api_key is not None:
+        print(f"{SIM_PROG}: error: --api-key: only when serving (not with --virtual)", file=sys.stderr)
+        return exits.BAD_INPUT
     if args.virtual is None:
         given = [o for o in VIRTUAL_OPTIONS if getattr(args, o) is not None]
         if given:
@@ -404,6 +423,12 @@ def _cmd_sim(argv: list[str]) -> int:
     from loadlab.sim.serve import serve
     from loadlab.sim.tokenize import Tokenizer
 
+    api_key = server_api_key(args.api_key)
+    problem = api_key and key_problem(api_key)
+    if problem:
+        where = "--api-key" if args.api_key else SERVER_API_KEY_ENV
+        print(f"{SIM_PROG}: error: {where}: {problem}", file=sys.stderr)
+        return exits.BAD_INPUT
     try:
         settings = resolve_settings(args)
         tokenizer = Tokenizer(settings.tokenizer)
@@ -411,7 +436,7 @@ def _cmd_sim(argv: list[str]) -> int:
         print(f"{SIM_PROG}: error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
     try:
-        serve(settings, tokenizer, args.instances)
+        serve(settings, tokenizer, args.instances, api_key)
     except OSError as e:
         print(
             f"{SIM_PROG}: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr

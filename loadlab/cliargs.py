@@ -37,3 +37,8 @@ def positive(kind):
 def non_negative(kind):
     """An argparse type: an int or float >= 0 (finite)."""
     return _bounded(kind, "an integer >= 0" if kind is int else "a number >= 0", lambda v: v >= 0)
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port number, 1-65535."""
+    return _bounded(int, "a port number 1-65535", lambda v: 1 <= v <= 65535)(text)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import random
 import time
+from array import array
+from bisect import bisect_right
 from typing import NamedTuple
 
 from gevent.event import Event
@@ -112,6 +114,7 @@ class Tickets:
         self.all_done = Event()
         self.measure_started_wall: float | None = None  # when the first measured ticket was taken
         self.on_measure_start = None  # called once, with the first measured ticket
+        self.dues = array("d")  # open loop: every ticket's due time so far, in order (they never decrease)
         if warmup == 0:
             self.warmup_done.set()
 
@@ -148,7 +151,17 @@ class Tickets:
         return Ticket(index, MEASURE, self._due(now, index))
 
     def _due(self, now: float, index: int) -> float | None:
-        return self.arrivals.due(now, index) if self.arrivals is not None else None
+        if self.arrivals is None:
+            return None
+        due = self.arrivals.due(now, index)
+        self.dues.append(due)
+        return due
+
+    def in_flight(self, now: float) -> int:
+        """Requests handed out, due by ``now`` (the driver's clock) and not finished: the live in-flight
+        count (an open loop's tickets wait for their due time first)."""
+        out = self.next_index if self.arrivals is None else bisect_right(self.dues, now)
+        return max(0, out - self.warmup_finished - self.measured_finished)
 
     def finished(self, phase: str) -> bool:
         """Counts a finished request; True when it was the last warm-up request (the barrier opens)."""

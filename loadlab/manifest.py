@@ -204,7 +204,9 @@ class Manifest(_Model):
     lost_in_flight: list[LostRequest] = Field(default_factory=list, description="requests lost in flight")
     load_generators: list[LoadGenerator] = Field(default_factory=list, description="distributed: per worker")
     client: ClientVerdict | None = Field(None, description="the load generators' self-calibration")
-    failure: str | None = Field(None, description="a worker's reason when it ended the run")
+    failure: str | None = Field(
+        None, description="why the run was ended early: a worker's reason, or the target refusing the API key"
+    )
     virtual: bool = Field(False, description="a virtual-time run")
     sim: dict[str, Any] | None = Field(None, description="virtual: the twin's resolved settings")
     virtual_stats: VirtualStats | None = Field(None, description="virtual: the simulation's own figures")

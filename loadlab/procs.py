@@ -77,8 +77,12 @@ class ReadyLineProcess:
     ``launch`` and ``wait_ready`` are ``start`` in two halves, to start several children at once."""
 
     def __init__(self, argv: list[str], ready_prefix: str, start_timeout_s: float = 30.0,
-                 ready_lines: int = 1, echo_prefix: str | None = None, echo_if: str | None = None):  # fmt: skip
+                 ready_lines: int = 1, echo_prefix: str | None = None, echo_if: str | None = None,
+                 env: dict[str, str | None] | None = None):  # fmt: skip
+        """``env``: variables set for the child over this process's (None: removed), e.g. a secret that must
+        not travel on its command line."""
         self.argv = argv
+        self.env = env or {}
         self.ready_prefix = ready_prefix
         self.start_timeout_s = start_timeout_s
         self.ready_lines = ready_lines
@@ -98,8 +102,9 @@ class ReadyLineProcess:
 
     def launch(self) -> None:
         """Starts the child; its ready lines are read in the background until ``wait_ready``."""
-        self.proc = spawn(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {k: v for k, v in env.items() if v is not None}
+        self.proc = spawn(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self._ready = []
         self._reader = threading.Thread(target=self._read_ready, daemon=True)
         self._reader.start()

@@ -71,6 +71,28 @@ class TargetConfig(_Strict):
     metrics_urls: list[str] | None = Field(
         None, description="servers whose /metrics are scraped; default: url"
     )
+    # Where the target's API key is (never the key itself: the resolved profile is recorded in the
+    # manifest). Neither: the variable LOADLAB_API_KEY when it is set, else no key (read_api_key).
+    api_key_env: str | None = Field(None, description="environment variable holding the target's API key")
+    api_key_file: str | None = Field(
+        None, description="file holding the target's API key (relative to the profile)"
+    )
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, name: str | None) -> str | None:
+        if name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"the name of an environment variable, e.g. SGLANG_API_KEY (got {name!r})")
+        return name
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _one_key_source(cls, path: str | None, info: ValidationInfo) -> str | None:
+        if path is not None and not path:
+            raise ValueError("the path of a file holding the key")
+        if path is not None and info.data.get("api_key_env") is not None:
+            raise ValueError("give api_key_env or api_key_file, not both")
+        return path
 
     @field_validator("cluster")
     @classmethod
@@ -411,9 +433,11 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
     label = str(path)
     data, lines = read_mapping(path, "profile", ProfileError)
     target = data.get("target")
-    if isinstance(target, dict) and isinstance(target.get("cluster"), str):
-        # The file's cluster path is relative to the profile file (an override's, to the working directory).
-        target["cluster"] = os.path.abspath(path.parent / target["cluster"])
+    if isinstance(target, dict):
+        # The file's paths are relative to the profile file (an override's, to the working directory).
+        for key in ("cluster", "api_key_file"):
+            if isinstance(target.get(key), str) and target[key]:
+                target[key] = os.path.abspath(path.parent / target[key])
     workloads = [data.get("workload")]
     if isinstance(data.get("classes"), list):
         workloads += [c.get("workload") for c in data["classes"] if isinstance(c, dict)]
@@ -424,7 +448,7 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
             and isinstance(w.get("path"), str)
             and w["path"]
         ):
-            # A file path is relative to the profile file (an override's, to the working directory).
+            # A workload's file is relative to the profile file too.
             w["path"] = os.path.abspath(path.parent / Path(w["path"]).expanduser())
     kind = data.get("workload", {}).get("kind") if isinstance(data.get("workload"), dict) else None
     for key, value in (overrides or {}).items():
@@ -475,6 +499,15 @@ WORKLOAD_KINDS = (
 
 def validate_profile(data: dict[str, Any], label: str = "<profile>", lines: Lines | None = None) -> Profile:
     lines = lines or {}
+    target = data.get("target")
+    if isinstance(target, dict) and "api_key" in target:
+        # Said without the value (pydantic's message would quote it), and before it could be recorded.
+        loc = ["target", "api_key"]
+        raise ProfileError(
+            f"{where(label, lines, loc)}: target.api_key: a key is never a profile value (the profile is "
+            "recorded in the manifest): name its environment variable (target.api_key_env) or file "
+            "(target.api_key_file)"
+        )
     try:
         profile = Profile.model_validate(data)
     except ValidationError as e:
@@ -577,3 +610,73 @@ def parse_set_option(item: str) -> tuple[str, Any]:
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
+
+
+# The API key of a secured target (SGLang's --api-key, a gateway's): read from the environment or a file at
+# start, never from a profile value or the command line, and sent as `Authorization: Bearer <key>`.
+API_KEY_ENV = "LOADLAB_API_KEY"  # used when the profile names neither a variable nor a file
+REDACTED = "<redacted>"
+
+
+def read_api_key(target: TargetConfig, label: str = "<profile>") -> str | None:
+    """The target's API key: from ``target.api_key_env``'s variable, ``target.api_key_file``'s file, or
+    else ``LOADLAB_API_KEY`` when set (None: no key). A variable or file the profile names that is missing
+    or empty is a ProfileError naming it (never quoting the key)."""
+    if target.api_key_file is not None:
+        path = target.api_key_file
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read().strip()  # a file written by echo, or a mounted Secret, may end with a newline
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+            raise ProfileError(
+                f"{label}: target.api_key_file: {path}: cannot read the API key ({why})"
+            ) from None
+        where_from = f"target.api_key_file: {path}"
+        if not key:
+            raise ProfileError(f"{label}: {where_from}: the file is empty (it must hold the API key)")
+    elif target.api_key_env is not None:
+        name = target.api_key_env
+        key = os.environ.get(name, "").strip()
+        where_from = f"target.api_key_env: {name}"
+        if not key:
+            raise ProfileError(
+                f"{label}: {where_from}: the environment variable is not set or empty (it must hold the API key)"
+            )
+    else:
+        key = os.environ.get(API_KEY_ENV, "").strip()
+        where_from = API_KEY_ENV
+        if not key:
+            return None
+    if any(c.isspace() or not c.isprintable() for c in key):
+        raise ProfileError(f"{label}: {where_from}: the API key has spaces or control characters inside it")
+    return key
+
+
+def api_key_source(target: TargetConfig) -> str:
+    """Where the key is read from, in words for an error message: ``$SGLANG_API_KEY``, a file's path."""
+    if target.api_key_file is not None:
+        return f"the file {target.api_key_file}"
+    return f"${target.api_key_env or API_KEY_ENV}"
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The request header that carries the key (SGLang's check: ``Authorization: Bearer <key>``)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def redact(value: Any, secret: str | None, hide_named: bool = False) -> Any:
+    """``value`` (JSON-like) with every occurrence of ``secret`` in its strings replaced; ``hide_named``:
+    also every non-empty value under a key naming an API key (SGLang's server_info lists its ``api_key``)."""
+    if isinstance(value, dict):
+        return {
+            k: REDACTED
+            if hide_named and v and isinstance(k, str) and "api_key" in k.lower()
+            else redact(v, secret, hide_named)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return type(value)(redact(v, secret, hide_named) for v in value)
+    if isinstance(value, str) and secret and secret in value:
+        return value.replace(secret, REDACTED)
+    return value

@@ -294,6 +294,10 @@ def test_compose_file_shape(compose):
     assert "8089" in [container_port(p) for p in master["ports"]]
     assert "--master" in master["command"] and "container_name" not in master
     assert load_compose({})["services"]["master"]["environment"]["LOCUST_HEADLESS"] == "false"
+    # ... behind a login by default (its UI listens on every interface of the container), credentials
+    # passed through from the shell, never set in the file.
+    master_env = load_compose({})["services"]["master"]["environment"]
+    assert master_env["LOCUST_WEB_LOGIN"] == "true" and master_env.get("LOADLAB_WEB_LOGIN") in (None, "")
     assert master["depends_on"]["sim"]["condition"] == "service_healthy"
     assert any(v.endswith(":/loadlab/reports") for v in master["volumes"])
     # Real SGLang is opt-in, on a GPU, with metrics.

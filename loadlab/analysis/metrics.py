@@ -1,8 +1,9 @@
 """Per-request metrics and the run summary, computed exactly from the raw records.
 
 Every number here comes from the records (``loadlab.records``) of the measured phase; nothing is
-rounded or bucketed before the percentiles are taken. Percentiles are ``numpy.percentile`` with linear
-interpolation (numpy's default, the same as sglang ``bench_serving``), standard deviations are the
+rounded or bucketed before the percentiles are taken. Percentiles are ``numpy.percentile``'s linear
+interpolation (numpy's default, the same as sglang ``bench_serving``; computed by ``stats.quantiles``, equal
+to numpy's to the last bit, and shared with the live figures), standard deviations are the
 population ones (``numpy.std``, ddof=0, as ``bench_serving``). The definitions, with the reasons for
 each, are in ``docs/metrics.md``; keep the two in step.
 """
@@ -10,9 +11,7 @@ each, are in ``docs/metrics.md``; keep the two in step.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-import re
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,17 @@ import pandas as pd
 
 from loadlab.analysis import verdicts
 from loadlab.analysis.server_metrics import gauge_peaks, outages, same_server, scrape_interval, server_summary
+from loadlab.analysis.stats import (  # the definitions, shared with the live figures (loadlab.swarm.live)
+    evaluate_slo,
+    itl_samples,  # noqa: F401 - importable from here, as before
+    latency_samples,
+    overall_pass,
+    percentile,
+    pooled_events,  # noqa: F401
+    quantiles,
+    slo_objectives,
+    token_events,  # noqa: F401
+)
 from loadlab.analysis.summary import SUMMARY_SCHEMA, SUMMARY_VERSION, Summary
 from loadlab.manifest import ClientVerdict, Manifest
 from loadlab.records import MEASURE, OK, RECORD_FIELDS, STATUS_FRONT, WARMUP
@@ -37,10 +47,6 @@ LATENCY_METRICS = {
     "e2e_latency_ms": "end-to-end latency",
 }
 
-# SLO keys in the profile: "<metric>_p<percentile>_ms" -> the latency metric they bound.
-SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2e": "e2e_latency_ms"}
-_SLO_KEY = re.compile(r"^(ttft|tpot|itl|e2e)_p(\d+(?:\.\d+)?)_ms$")
-
 
 # ---------------------------------------------------------------------------------------------------
 # Small exact statistics
@@ -55,134 +61,17 @@ def describe(samples: Any, stem: str) -> dict[str, float | None]:
     stats = ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES), "min", "max")
     if arr.size == 0:
         return {f"{stat}_{stem}": None for stat in stats}
-    quantiles = np.percentile(arr, [0, 50, *PERCENTILES, 100], method="linear")  # one partition
+    values = quantiles(arr, [0, 50, *PERCENTILES, 100])  # one partition
     out: dict[str, float | None] = {
         f"mean_{stem}": float(np.mean(arr)),
-        f"median_{stem}": float(quantiles[1]),
+        f"median_{stem}": float(values[1]),
         f"std_{stem}": float(np.std(arr)),
     }
-    for p, value in zip(PERCENTILES, quantiles[2:-1], strict=True):
+    for p, value in zip(PERCENTILES, values[2:-1], strict=True):
         out[f"p{p}_{stem}"] = float(value)
-    out[f"min_{stem}"] = float(quantiles[0])
-    out[f"max_{stem}"] = float(quantiles[-1])
+    out[f"min_{stem}"] = float(values[0])
+    out[f"max_{stem}"] = float(values[-1])
     return out
-
-
-def percentile(samples: Any, q: float) -> float | None:
-    """The exact q-th percentile (0..100) with linear interpolation; None without samples."""
-    arr = np.asarray(samples, dtype=float).ravel()
-    arr = arr[np.isfinite(arr)]
-    if arr.size == 0:
-        return None
-    return float(np.percentile(arr, q, method="linear"))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Per-request metrics
-
-
-def as_array(value: Any) -> np.ndarray:
-    """A record's list column as a float array: accepts lists, numpy arrays (Parquet), None and NaN."""
-    if value is None:
-        return np.empty(0)
-    if isinstance(value, float) and math.isnan(value):
-        return np.empty(0)
-    try:
-        arr = np.asarray(value, dtype=float).ravel()
-    except (TypeError, ValueError):
-        return np.empty(0)
-    return arr
-
-
-def token_events(arrival_ms: Any, arrival_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The token-carrying events of one request as (offset ms, tokens). Events carrying no token are
-    dropped; a missing token list counts one token per event."""
-    ms = as_array(arrival_ms)
-    tok = as_array(arrival_tokens)
-    if tok.size == 0:
-        tok = np.ones(ms.size)
-    n = min(ms.size, tok.size)
-    ms, tok = ms[:n], np.rint(tok[:n])
-    keep = np.isfinite(ms) & np.isfinite(tok) & (tok > 0)
-    return ms[keep], tok[keep].astype(np.int64)
-
-
-def itl_samples(arrival_ms: Any, arrival_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
-    """One request's ITL samples: (per token, per event).
-
-    For consecutive token-carrying events j-1, j the gap is arrival_ms[j] - arrival_ms[j-1]; event j
-    contributes gap / tokens[j], repeated tokens[j] times, to the per-token samples (bench_serving's
-    native backend), and the raw gap once to the per-event samples (its OpenAI backends).
-    """
-    return itl_from_events(*token_events(arrival_ms, arrival_tokens))
-
-
-def itl_from_events(ms: np.ndarray, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``itl_samples`` on events already cleaned by ``token_events``."""
-    if ms.size < 2:
-        return np.empty(0), np.empty(0)
-    gaps = np.diff(ms)
-    per_token = np.repeat(gaps / tok[1:], tok[1:])
-    return per_token, gaps
-
-
-def pooled_events(arrival_ms: list[Any], arrival_tokens: list[Any]) -> dict[str, np.ndarray]:
-    """``itl_samples`` and ``token_events`` over many requests at once, vectorised.
-
-    Returns the pooled ITL samples (``itl_per_token``, ``itl_per_event``) and, per request,
-    ``first_tokens`` (tokens in the first token-carrying event; NaN without one) and ``token_sum``.
-    """
-    n_rows = len(arrival_ms)
-    ms_parts, tok_parts, lengths = [], [], np.zeros(n_rows, dtype=np.int64)
-    for row, (ms, tok) in enumerate(zip(arrival_ms, arrival_tokens, strict=True)):
-        n_ms, n_tok = _length(ms), _length(tok)
-        if n_ms == 0:
-            continue
-        if n_tok != n_ms:  # rare: no per-event counts (one token each) or a ragged pair; clean it alone
-            ms, tok = token_events(ms, tok)
-            n_ms = ms.size
-        ms_parts.append(ms)
-        tok_parts.append(tok)
-        lengths[row] = n_ms
-    total = int(lengths.sum())
-    if total:
-        flat_ms = _concat(ms_parts, total)
-        flat_tok = np.rint(_concat(tok_parts, total))
-    else:
-        flat_ms, flat_tok = np.empty(0), np.empty(0)
-    rows = np.repeat(np.arange(n_rows), lengths)
-    keep = np.isfinite(flat_ms) & np.isfinite(flat_tok) & (flat_tok > 0)
-    flat_ms, flat_tok, rows = flat_ms[keep], flat_tok[keep].astype(np.int64), rows[keep]
-
-    first = np.ones(rows.size, dtype=bool)
-    first[1:] = rows[1:] != rows[:-1]
-    later = ~first
-    gaps = np.diff(flat_ms, prepend=np.nan)[later]
-    later_tok = flat_tok[later]
-    first_tokens = np.full(n_rows, np.nan)
-    first_tokens[rows[first]] = flat_tok[first]
-    return {
-        "itl_per_token": np.repeat(gaps / later_tok, later_tok) if gaps.size else np.empty(0),
-        "itl_per_event": gaps,
-        "first_tokens": first_tokens,
-        "token_sum": np.bincount(rows, weights=flat_tok, minlength=n_rows).astype(float),
-    }
-
-
-def _concat(parts: list[Any], total: int) -> np.ndarray:
-    """Concatenates lists (JSONL) and arrays (Parquet) into one float array."""
-    if all(isinstance(p, np.ndarray) for p in parts):
-        return np.concatenate(parts).astype(float, copy=False)
-    return np.fromiter(itertools.chain.from_iterable(parts), dtype=float, count=total)
-
-
-def _length(value: Any) -> int:
-    if value is None or isinstance(value, float):
-        return 0
-    try:
-        return len(value)
-    except TypeError:
-        return 0
 
 
 def in_flight(starts: Any, ends: Any, window_start: float, window_end: float) -> dict[str, float | None]:
@@ -295,28 +184,6 @@ def _client(client: ClientVerdict | None) -> dict[str, Any] | None:
             for g in client.generators
         ],
     }
-
-
-def slo_objectives(slo: Any) -> tuple[list[tuple[str, float, float, str]], list[str]]:
-    """Parses the profile's slo mapping into [(metric, percentile, threshold_ms, key)] and the keys it
-    did not understand. Keys look like ttft_p95_ms; null values are unset objectives."""
-    objectives, unknown = [], []
-    if not isinstance(slo, dict):
-        return objectives, unknown
-    for key, threshold in slo.items():
-        if threshold is None:
-            continue
-        match = _SLO_KEY.match(str(key))
-        if not match or not _finite(threshold):
-            unknown.append(str(key))
-            continue
-        q = float(match.group(2))
-        objectives.append(
-            (SLO_METRICS[match.group(1)], int(q) if q.is_integer() else q, float(threshold), key)
-        )
-    order = list(SLO_METRICS.values())
-    objectives.sort(key=lambda o: (order.index(o[0]), o[1]))
-    return objectives, unknown
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -435,26 +302,17 @@ def compute_summary(
     scheduled_col = _numeric(df, "t_scheduled_wall")
     server_queue_col = _numeric(df, "server_queue_ms")
 
-    def latency_samples(done: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def samples_of(done: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The latency samples of the requests ``done`` selects, and their resolved output token counts."""
         ok_idx = np.flatnonzero(done)
-        events = pooled_events([arrival_ms[i] for i in ok_idx], [arrival_tokens[i] for i in ok_idx])
         ok_ttft, ok_e2e = ttft[ok_idx], e2e[ok_idx]
-        ok_out = np.where(np.isfinite(output_tokens[ok_idx]), output_tokens[ok_idx], events["token_sum"])
-        with np.errstate(divide="ignore", invalid="ignore"):
-            tpot = (ok_e2e - ok_ttft) / (ok_out - 1)
-            tpot = tpot[(ok_out > 1) & np.isfinite(tpot)]
-            decode_denominator = ok_out - events["first_tokens"]
-            tpot_decode = (ok_e2e - ok_ttft) / decode_denominator
-            tpot_decode = tpot_decode[(decode_denominator > 0) & np.isfinite(tpot_decode)]
-        samples = {
-            "ttft_ms": ok_ttft[np.isfinite(ok_ttft)],
-            "tpot_ms": tpot,
-            "tpot_decode_ms": tpot_decode,
-            "itl_ms": events["itl_per_token"],
-            "itl_per_event_ms": events["itl_per_event"],
-            "e2e_latency_ms": ok_e2e[np.isfinite(ok_e2e)],
-        }
+        samples, ok_out = latency_samples(
+            ok_ttft,
+            ok_e2e,
+            output_tokens[ok_idx],
+            [arrival_ms[i] for i in ok_idx],
+            [arrival_tokens[i] for i in ok_idx],
+        )
         # Open loop: latency counted from when the send was due, so queueing inside the client cannot hide
         # (coordinated omission). Only when the load model scheduled sends.
         scheduled = scheduled_col[ok_idx]
@@ -470,7 +328,7 @@ def compute_summary(
             samples["server_queue_ms"] = server_queue[np.isfinite(server_queue)]
         return samples, ok_out
 
-    samples, ok_out = latency_samples(ok)
+    samples, ok_out = samples_of(ok)
     out_tokens_resolved = output_tokens.copy()
     output_fallback = int((ok & ~np.isfinite(output_tokens)).sum())
     out_tokens_resolved[np.flatnonzero(ok)] = ok_out
@@ -672,7 +530,7 @@ def compute_summary(
     for name in [*profile_classes, *others]:
         mine = measured & (request_class == name)
         done = mine & ok
-        class_samples, class_out = latency_samples(done)
+        class_samples, class_out = samples_of(done)
         class_failures: dict[str, int] = {}
         for kind in outcome[mine & ~ok]:
             class_failures[kind or "unknown"] = class_failures.get(kind or "unknown", 0) + 1
@@ -698,10 +556,9 @@ def compute_summary(
         summary["classes"].append(entry)
         if class_samples_out is not None:  # each class's own samples, for its plots
             class_samples_out[name] = class_samples
-    passes = [
-        v for v in (summary["slo"]["pass"], *(c["slo"]["pass"] for c in summary["classes"])) if v is not None
-    ]
-    summary["slo"]["pass"] = all(passes) if passes else None
+    summary["slo"]["pass"] = overall_pass(
+        [summary["slo"]["pass"], *(c["slo"]["pass"] for c in summary["classes"])]
+    )
     classes = summary["classes"]
     if classes and any(c["goodput_limits"] is not None for c in classes):
         # With classes each request is judged by its own class's limits (which inherit the profile's); a
@@ -769,34 +626,6 @@ def _outage(outage: tuple[float, float | None] | None, window_start: float | Non
         "unreachable_after_s": start - window_start if window_start is not None else None,
         "reachable_again_from": back,
     }
-
-
-def evaluate_slo(slo: Any, samples: dict[str, np.ndarray], failed: int) -> dict[str, Any]:
-    """Each objective's percentile against its threshold (pass when value <= threshold); an objective
-    with no samples fails. ``pass`` is all objectives passing, None when there are none."""
-    objectives, unknown = slo_objectives(slo)
-    results = []
-    for metric, q, threshold, key in objectives:
-        value = percentile(samples.get(metric, np.empty(0)), q)
-        results.append(
-            {
-                "key": key,
-                "metric": metric,
-                "percentile": q,
-                "threshold_ms": threshold,
-                "value_ms": value,
-                "samples": int(np.isfinite(np.asarray(samples.get(metric, []), dtype=float)).sum()),
-                "pass": value is not None and value <= threshold,
-            }
-        )
-    out: dict[str, Any] = {
-        "objectives": results,
-        "pass": all(r["pass"] for r in results) if results else None,
-        "failed_requests": int(failed),
-    }
-    if unknown:
-        out["unrecognized"] = sorted(unknown)
-    return out
 
 
 def clean(value: Any) -> Any:

@@ -60,12 +60,21 @@ class Exchange:
 class StreamingClient:
     """A keep-alive connection to one server, for one request at a time (one per Locust user)."""
 
-    def __init__(self, base_url: str, connect_timeout_s: float, idle_timeout_s: float, timeout_s: float):
+    def __init__(
+        self,
+        base_url: str,
+        connect_timeout_s: float,
+        idle_timeout_s: float,
+        timeout_s: float,
+        headers: dict[str, str] | None = None,
+    ):
+        """``headers``: sent with every request (the target's ``Authorization``)."""
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
         self.base_path = parts.path.rstrip("/")
         self.timeout_s = timeout_s
+        self.headers = {**HEADERS, **headers} if headers else HEADERS
         self._args = dict(
             host=parts.hostname,
             port=parts.port or (443 if parts.scheme == "https" else 80),
@@ -101,7 +110,7 @@ class StreamingClient:
         events repeat the whole output so far before ``"meta_info":``; keeping only the tail makes memory
         linear in the output length instead of quadratic). ``headers``: extra request headers (a class's).
         """
-        sent_headers = {**HEADERS, **headers} if headers else HEADERS
+        sent_headers = {**self.headers, **headers} if headers else self.headers
         deadline = gevent.Timeout(self.timeout_s)
         deadline.start()
         ex.t_send_wall = time.time()

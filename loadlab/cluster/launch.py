@@ -16,6 +16,8 @@ line, then serve until SIGTERM or SIGINT.
    dies"); a front that dies ends the cluster (exit 1), since nothing reaches the workers without it.
    Every child runs in its own session and gets SIGTERM when this process dies (``loadlab.procs.spawn``),
    so even a SIGKILLed launcher leaves no worker or front behind.
+5. With ``LOADLAB_SERVER_API_KEY`` set, every worker and the front require that key (SGLang's ``--api-key``):
+   the twins and omni read it from their environment, the router is given ``--api-key``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from loadlab.cluster.omni_process import omni_argv
 from loadlab.procs import ChildStartError, ReadyLineProcess, free_port, spawn
 from loadlab.procs import stop as stop_child
 from loadlab.sim import READY_PREFIX as SIM_READY_PREFIX
+from loadlab.sim.auth import API_KEY_ENV, key_problem, server_api_key
 from loadlab.sim.settings import settings_to_argv
 
 ROUTER_MODULE = "sglang_router.launch_router"
@@ -78,8 +81,14 @@ def _get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
 class Cluster:
     """The processes of one cluster file: ``start`` returns ``ready_info``; ``stop`` ends them all."""
 
-    def __init__(self, config: ClusterConfig, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self, config: ClusterConfig, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None
+    ):
         self.config, self.host, self.port = config, host, port
+        # Required by every worker and the front, as by SGLang's --api-key (None: an open cluster). The
+        # twins and omni read it from their environment; only the router must be given it as a flag.
+        self.api_key = api_key
+        self.child_env = {API_KEY_ENV: api_key}
         self.worker_procs: list[ReadyLineProcess] = []
         self.workers: list[dict[str, str]] = []  # {"url", "district"}, in the file's order
         self.front_proc: subprocess.Popen | None = None
@@ -124,7 +133,7 @@ class Cluster:
                     "--instances", str(n), *settings_to_argv(worker_settings(district))]  # fmt: skip
             tag = f"{district.name}/{first}" if n == 1 else f"{district.name}/{first}-{first + n - 1}"
             proc = ReadyLineProcess(argv, SIM_READY_PREFIX, START_TIMEOUT_S, ready_lines=n,
-                                    echo_prefix=f"[{tag}] ")  # fmt: skip
+                                    echo_prefix=f"[{tag}] ", env=self.child_env)  # fmt: skip
             self.worker_procs.append(proc)
             proc.launch()
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -160,9 +169,14 @@ class Cluster:
                 "--worker-urls", *urls, "--policy", self.config.front.policy,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                 "--log-level", "warn"]  # fmt: skip
+        if self.api_key:
+            # The router's key for its own calls to the workers (health, discovery, load); it forwards the
+            # client's Authorization with each request. A flag is the only way the router takes it.
+            argv += ["--api-key", self.api_key]
         # The router's output goes to stderr (stdout carries only the ready line).
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         self.front_proc = spawn(argv, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "NO_COLOR": "1"})  # fmt: skip
+                                env={**env, "NO_COLOR": "1"})  # fmt: skip
         url = _url(self.host, port)
         deadline = time.monotonic() + START_TIMEOUT_S
         # /health answers before the router has registered its workers; /readiness counts them.
@@ -187,7 +201,8 @@ class Cluster:
                          host=self.host, port=self.port, districts=districts,
                          switch=self.config.switch_routes(), switch_after_waiting=front.switch_after_waiting,
                          in_flight_fraction=front.in_flight_fraction)  # fmt: skip
-        proc = ReadyLineProcess(argv, OMNI_READY_PREFIX, START_TIMEOUT_S, echo_prefix="[omni] ")
+        proc = ReadyLineProcess(argv, OMNI_READY_PREFIX, START_TIMEOUT_S, echo_prefix="[omni] ",
+                                env=self.child_env)  # fmt: skip
         try:
             # omni names the address it listens on (http://0.0.0.0:P with --host 0.0.0.0); the ready line says
             # where this machine reaches it, as for the router.
@@ -245,7 +260,14 @@ def run_cluster(
     ``overrides``: ``--set`` settings laid over the file (districts by name). Raises ClusterError for a bad
     file or override (before anything starts)."""
     config = load_cluster(path, overrides=overrides, source="--set ")
-    cluster = Cluster(config, host, port)
+    api_key = server_api_key()
+    problem = api_key and key_problem(api_key)
+    if problem:
+        log.error("loadlab cluster: %s: %s", API_KEY_ENV, problem)
+        return exits.BAD_INPUT
+    cluster = Cluster(config, host, port, api_key)
+    if api_key:
+        log.info("loadlab cluster: every worker and the front require the API key from %s", API_KEY_ENV)
     if config.front.kind == "none" and port:
         log.warning("loadlab cluster: --port %d: this cluster has no front (front.kind: none)", port)
 

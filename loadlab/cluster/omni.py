@@ -21,6 +21,8 @@ to stderr, and stops on SIGTERM or SIGINT (exit 0); a bad flag is one line and e
   (``--max-in-flight-per-worker``, default each worker's ``max_running_requests``); beyond
   ``--queue-size`` waiting it gets 429, with no healthy worker 503. Every response omni produces itself
   carries ``x-loadlab-front: omni``.
+- API key: with ``LOADLAB_SERVER_API_KEY`` set, clients must send it as SGLang's ``--api-key`` wants
+  (``loadlab.sim.auth``: 401 otherwise, /health and /metrics open), and omni sends it to its workers.
 
 - Districts and SLO classes: ``--district NAME[:CLASS,...]=URL,...`` groups workers; a district naming
   classes serves only those, one without serves any. A request's class is the value of its class header
@@ -75,6 +77,7 @@ from loadlab.cluster.policies import (
     switch_problem,
 )
 from loadlab.cluster.signals import Signals, combine, parse_get_load, parse_metrics
+from loadlab.sim.auth import API_KEY_ENV, UNAUTHORIZED, authorized, key_problem, needs_key, server_api_key
 
 log = logging.getLogger("loadlab.omni")
 
@@ -129,6 +132,8 @@ class OmniConfig:
     # The switch: (class, the districts its overflow may go to) each; see policies.next_in_line.
     switch: tuple[tuple[str, tuple[str, ...]], ...] = ()
     switch_after_waiting: int = 0
+    # The key clients must send and omni sends its workers (LOADLAB_SERVER_API_KEY); never in a repr.
+    api_key: str | None = field(default=None, repr=False)
 
     def district_specs(self) -> tuple[DistrictSpec, ...]:
         return self.districts or (DistrictSpec(DEFAULT_CLASS, tuple(self.workers)),)
@@ -352,6 +357,7 @@ class Omni:
             c.switched = dict.fromkeys(targets, 0)
         self.rng = random.Random(config.seed)
         self.needs_key = config.policy == "prefix"
+        self.auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.metrics = _Metrics(self)
         self.session: aiohttp.ClientSession | None = None
         self._pollers: list[asyncio.Task] = []
@@ -382,7 +388,9 @@ class Omni:
             await self.session.close()
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        # SGLang's check on omni's own door too (only with a key: an open front pays nothing per request).
+        middlewares = [self._check_key] if self.config.api_key else []
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=middlewares)
         r = app.router
         for path in PROXIED:
             r.add_post(path, self.proxy)
@@ -395,6 +403,22 @@ class Omni:
         r.add_get("/omni/workers", self.workers_endpoint)
         app.on_response_prepare.append(self._mark_own)
         return app
+
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler) -> web.StreamResponse:
+        """401 ``{"error": "Unauthorized"}`` without the key, as SGLang answers (``loadlab.sim.auth``)."""
+        headers = request.headers
+        if needs_key(request.method, request.path) and not authorized(
+            headers.get("Authorization"), headers.get("x-api-key"), self.config.api_key
+        ):
+            self.metrics.rejects.labels("unauthorized").inc()
+            return web.Response(body=UNAUTHORIZED, status=401, content_type="application/json")
+        return await handler(request)
+
+    def _to_worker(self, headers) -> dict[str, str]:
+        """The client's headers a worker gets (sglang-router's set: Authorization among them); with a key of
+        its own omni authenticates with it (a client may have sent x-api-key, which is not forwarded)."""
+        return {**_forward_headers(headers), **self.auth}
 
     @staticmethod
     async def _mark_own(request: web.Request, response: web.StreamResponse) -> None:
@@ -420,7 +444,7 @@ class Omni:
 
     async def _get(self, w: Worker, path: str) -> tuple[int, bytes]:
         assert self.session is not None
-        async with self.session.get(w.url + path) as r:
+        async with self.session.get(w.url + path, headers=self.auth) as r:
             return r.status, await r.read()
 
     async def _poll(self, w: Worker) -> None:
@@ -616,7 +640,7 @@ class Omni:
         self.metrics.class_received.labels(c.name).inc()
         request["omni.class"] = c.name
         key = self._key(path, body)
-        headers = _forward_headers(request.headers)
+        headers = self._to_worker(request.headers)
         retry = False
         while True:
             try:
@@ -685,7 +709,7 @@ class Omni:
         for w in [w for w in self.workers if w.up]:
             try:
                 async with self.session.get(
-                    w.url + request.path_qs, headers=_forward_headers(request.headers)
+                    w.url + request.path_qs, headers=self._to_worker(request.headers)
                 ) as up:
                     body = await up.read()
                     request[PASSTHROUGH] = True
@@ -705,7 +729,7 @@ class Omni:
 
         async def one(w: Worker) -> tuple[int, str]:
             try:
-                async with self.session.post(w.url + "/flush_cache") as r:
+                async with self.session.post(w.url + "/flush_cache", headers=self.auth) as r:
                     return r.status, (await r.text()).strip().splitlines()[0:1]
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 return 502, [f"{type(e).__name__}"]
@@ -930,6 +954,7 @@ def config_from_args(args: argparse.Namespace) -> OmniConfig:
         prefix_len=args.prefix_len,
         params=PolicyParams(args.prefix_balance_abs, args.prefix_balance_rel),
         seed=args.seed,
+        api_key=server_api_key(),  # from the environment only: omni's command line is in ps
     )
 
 
@@ -948,9 +973,10 @@ async def serve(config: OmniConfig) -> None:
         sys.stdout.write(f"{READY_PREFIX}http://{shown}:{port}\n")
         sys.stdout.flush()
         up = sum(w.up for w in omni.workers)
-        log.info("omni: policy %s over %d workers (%d up), poll every %g s, queue %d, limit per worker %s",
+        log.info("omni: policy %s over %d workers (%d up), poll every %g s, queue %d, limit per worker %s%s",
                  config.policy, len(omni.workers), up, config.poll_interval_s, config.queue_size,
-                 config.max_in_flight_per_worker or "max_running_requests")  # fmt: skip
+                 config.max_in_flight_per_worker or "max_running_requests",
+                 "; API key required" if config.api_key else "")  # fmt: skip
         for c in omni.classes.values():
             log.info("omni: class %s -> districts %s (%d workers)%s", c.name,
                      ", ".join(dict.fromkeys(w.district for w in c.workers)), len(c.workers),
@@ -972,6 +998,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     config = config_from_args(args)
+    problem = config.api_key and key_problem(config.api_key)
+    if problem:
+        print(f"{PROG}: error: {API_KEY_ENV}: {problem}", file=sys.stderr)
+        return exits.BAD_INPUT
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(serve(config))

@@ -9,6 +9,7 @@ engine knows nothing of profiles, clients, analysis or Locust.
 - ``clock``: the scheduler on a virtual clock (``run_requests``), the virtual time grid, token events.
 - ``server``: SGLang's HTTP wire protocol on aiohttp; ``serve``: the server process.
 - ``tokenize``: prompt text to token ids, and the output words.
+- ``auth``: SGLang's API key check (``--api-key``), for the twin and the omni front.
 """
 
 from loadlab import __version__

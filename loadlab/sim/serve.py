@@ -27,12 +27,15 @@ from loadlab.sim.settings import TwinSettings, base_url, engine_config
 from loadlab.sim.tokenize import Tokenizer
 
 
-def serve(settings: TwinSettings, tokenizer: Tokenizer, instances: int = 1) -> None:
+def serve(
+    settings: TwinSettings, tokenizer: Tokenizer, instances: int = 1, api_key: str | None = None
+) -> None:
     """Serves until SIGTERM or SIGINT. ``instances``: that many twins with these settings in this process,
     on one event loop, each with its own engine and socket (port 0: a free port each; else port, port + 1,
-    ...), each printing its ready line. Raises OSError when it cannot listen."""
+    ...), each printing its ready line. ``api_key``: required as SGLang's ``--api-key`` does
+    (``loadlab.sim.auth``). Raises OSError when it cannot listen."""
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(settings, tokenizer, instances))
+        asyncio.run(_serve(settings, tokenizer, instances, api_key))
 
 
 def _not_a_bad_message(record: logging.LogRecord) -> bool:
@@ -41,7 +44,7 @@ def _not_a_bad_message(record: logging.LogRecord) -> bool:
     return not (record.exc_info and isinstance(record.exc_info[1], BadHttpMessage))
 
 
-async def _serve(settings: TwinSettings, tokenizer: Tokenizer, instances: int) -> None:
+async def _serve(settings: TwinSettings, tokenizer: Tokenizer, instances: int, api_key: str | None) -> None:
     host = settings.host
     log = logging.getLogger("loadlab.sim")
     logging.getLogger("aiohttp.server").addFilter(_not_a_bad_message)
@@ -62,7 +65,7 @@ async def _serve(settings: TwinSettings, tokenizer: Tokenizer, instances: int) -
             engine = Engine(engine_config(shown))
             engines.append(engine)
             await engine.start()
-            runner = web.AppRunner(SimServer(shown, engine, tokenizer).build_app(), handler_cancellation=True,
+            runner = web.AppRunner(SimServer(shown, engine, tokenizer, api_key).build_app(), handler_cancellation=True,
                                    access_log=None, shutdown_timeout=1.0)  # fmt: skip
             runners.append(runner)
             await runner.setup()
@@ -70,13 +73,15 @@ async def _serve(settings: TwinSettings, tokenizer: Tokenizer, instances: int) -
             sys.stdout.write(f"{READY_PREFIX}{url}\n")
             sys.stdout.flush()
             log.info(
-                "serving %s as worker %s on %s: max_running_requests=%s max_total_num_tokens=%s radix_cache=%s",
+                "serving %s as worker %s on %s: max_running_requests=%s max_total_num_tokens=%s radix_cache=%s"
+                "%s",
                 shown.served_model_name,
                 shown.worker_id,
                 engine.cost.name,
                 shown.max_running_requests,
                 shown.max_total_num_tokens,
                 "off" if shown.disable_radix_cache else "on",
+                "; API key required" if api_key else "",
             )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from loadlab.sim import REQUEST_ID_HEADER, SIM_VERSION, WORKER_HEADER
+from loadlab.sim.auth import UNAUTHORIZED, authorized, needs_key
 from loadlab.sim.engine import (
     Engine,
     RequestHandle,
@@ -266,8 +267,11 @@ class _Metrics:
 class SimServer:
     """Builds the aiohttp application. ``settings`` holds every resolved server argument, SGLang-named."""
 
-    def __init__(self, settings: TwinSettings, engine: Engine, tokenizer: Tokenizer):
+    def __init__(
+        self, settings: TwinSettings, engine: Engine, tokenizer: Tokenizer, api_key: str | None = None
+    ):
         self.settings = settings
+        self._api_key = api_key  # not a setting: /server_info and the manifest's sim settings never show it
         self.engine = engine
         self.tok = tokenizer
         self.model_name: str = settings.served_model_name
@@ -279,7 +283,9 @@ class SimServer:
         self.worker_id: str = settings.worker_id or base_url(settings.host, settings.port)
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        # The key check only when a key is set: an open twin pays nothing per request.
+        middlewares = [self._check_key] if self._api_key else []
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=middlewares)
         app.on_response_prepare.append(self._stamp)
         r = app.router
         r.add_post("/generate", self.generate)
@@ -298,6 +304,16 @@ class SimServer:
         r.add_route("POST", "/flush_cache", self.flush_cache)
         r.add_get("/metrics", self.metrics_endpoint)
         return app
+
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler) -> web.StreamResponse:
+        """SGLang's ``--api-key``: 401 ``{"error": "Unauthorized"}`` without the key (``loadlab.sim.auth``)."""
+        headers = request.headers
+        if needs_key(request.method, request.path) and not authorized(
+            headers.get("Authorization"), headers.get("x-api-key"), self._api_key
+        ):
+            return web.Response(body=UNAUTHORIZED, status=401, content_type=JSON_CT)
+        return await handler(request)
 
     async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
         """Just before any response's headers go out (a stream's too, an error's, aiohttp's own 404):

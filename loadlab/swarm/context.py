@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from loadlab.swarm.exporter import MetricsServer
     from loadlab.swarm.master import Coordinator
     from loadlab.swarm.run import Run
     from loadlab.swarm.session import Session
@@ -24,3 +25,10 @@ class LoadlabContext:
     run: Run | WorkerRun | None = None
     coordinator: Coordinator | None = None  # the master's side of a distributed run (masters only)
     agent: WorkerAgent | None = None  # the worker's side of a distributed run (workers only)
+    # Who shows the live figures (loadlab.swarm.live): the web UI's LLM tab and /metrics, --metrics-port.
+    web_ui: bool = False
+    metrics_server: MetricsServer | None = None
+
+    @property
+    def shows_live(self) -> bool:
+        return self.web_ui or self.metrics_server is not None

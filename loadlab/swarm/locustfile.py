@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import os
 import signal
 import sys
 
@@ -20,13 +21,17 @@ from loadlab import exits
 from loadlab.profile import ProfileError
 from loadlab.swarm.calibration import ClientMonitor
 from loadlab.swarm.context import LoadlabContext
+from loadlab.swarm.exporter import MetricsServer, registry_for
+from loadlab.swarm.live import LiveFigures
 from loadlab.swarm.master import Coordinator
 from loadlab.swarm.options import (
     add_loadlab_arguments,
 )
 from loadlab.swarm.run import Run
 from loadlab.swarm.session import Session, check_out_dir
-from loadlab.swarm.users import SGLangUser
+from loadlab.swarm.users import SGLangUser, off_the_clock
+from loadlab.swarm.weblogin import WebLoginError, check_and_install
+from loadlab.swarm.webui import install as install_llm_tab
 from loadlab.swarm.worker import WorkerAgent
 from loadlab.target.probe import TargetError
 from loadlab.target.scraper import Scraper
@@ -61,7 +66,17 @@ def _on_init(environment, runner, **_kw):
         except ProfileError as e:
             _fail(str(e), exits.BAD_INPUT)
         context.agent = WorkerAgent(environment)
+        if environment.parsed_options.metrics_port is not None:
+            log.info(
+                "loadlab: --metrics-port is served by the master (it holds the run's figures), not workers"
+            )
         return
+    if environment.web_ui is not None:  # before anything starts: an exposed UI needs a login
+        try:
+            check_and_install(environment.web_ui, environment.parsed_options)
+        except WebLoginError as e:
+            _fail(str(e), exits.BAD_INPUT)
+    _show_live_figures(environment)  # first: a port that is taken fails before the target starts
     try:
         context.session = Session(environment)
     except ConfigError as e:  # the profile, or the cluster file it names
@@ -72,6 +87,28 @@ def _on_init(environment, runner, **_kw):
         context.coordinator = Coordinator(environment, on_failure=lambda: end_run(environment))
         # Users of a worker that dies are started again on the others (Locust's rebalancing).
         environment.parsed_options.enable_rebalancing = True
+
+
+def _show_live_figures(environment) -> None:
+    """The live figures' consumers in this process: the LLM tab and /metrics in the web UI, when there is
+    one, and --metrics-port's own HTTP server (headless runs and masters have no web UI)."""
+    context = environment.loadlab
+    opts = environment.parsed_options
+    if environment.web_ui is None and opts.metrics_port is None:
+        return
+    registry = registry_for(environment)
+    if environment.web_ui is not None:
+        install_llm_tab(environment, registry)
+        context.web_ui = True
+    if opts.metrics_port is not None:
+        host = opts.metrics_host if opts.metrics_host is not None else opts.web_host
+        host = "" if host == "*" else host  # Locust's spelling of all interfaces
+        try:
+            context.metrics_server = MetricsServer(registry, host, opts.metrics_port).start()
+        except OSError as e:
+            where = f"{host}:{opts.metrics_port}" if host else f"port {opts.metrics_port}"
+            why = os.strerror(e.errno) if e.errno else str(e)
+            _fail(f"--metrics-port: cannot listen on {where} ({why})", exits.BAD_INPUT)
 
 
 @events.test_start.add_listener
@@ -95,16 +132,22 @@ def _on_test_start(environment, **_kw):
             session.model,
             environment.runner.target_user_count or opts.num_users,
             sys.argv,
+            api_key=session.api_key,
         )
     except (TargetError, OSError) as e:
         log.error("loadlab: cannot start the run: %s", e)
         context.run = None
         gevent.spawn(end_run, environment)
         return
+    if context.shows_live:
+        run.live = LiveFigures(
+            session.profile, run.dir, run.tickets, lane=off_the_clock, offload=_in_a_thread
+        )
     context.run = run
+    run.on_refused = functools.partial(_refused, environment)
     target = session.profile.target
     run.scraper = Scraper(  # its own process: parsing costs CPU
-        session.metrics_urls(environment.host), run.dir, target.metrics_interval_s
+        session.metrics_urls(environment.host), run.dir, target.metrics_interval_s, session.api_key
     ).start()
     _freeze_heap()
     run.client_limits = (opts.client_limit_ms, opts.client_limit_cpu)
@@ -116,8 +159,16 @@ def _on_test_start(environment, **_kw):
         run.monitor = ClientMonitor().start()
         run.tickets.on_measure_start = run.monitor.reset  # calibrate the measured phase only
     log.info("loadlab: run directory %s", run.dir)
+    if run.live is not None:
+        gevent.spawn(_keep_live_figures, run)
     gevent.spawn(_stop_when_done, environment, run)
     gevent.spawn(_show_progress, run)
+
+
+def _in_a_thread(fn, *args):
+    """Runs ``fn`` in a native thread of gevent's pool while this greenlet waits and the others run (for
+    numpy work that releases the GIL)."""
+    return gevent.get_hub().threadpool.apply(fn, args)
 
 
 def _freeze_heap() -> None:
@@ -129,6 +180,15 @@ def _freeze_heap() -> None:
 
 
 PROGRESS_EVERY_S = 10.0
+LIVE_EVERY_S = 2.0  # the web UI's poll
+
+
+def _keep_live_figures(run: Run) -> None:
+    """Turns the records queued for the live figures into samples every 2 s, also while nobody looks (a
+    closed browser tab): the queue stays short and each refresh small."""
+    while not run.finalized:
+        gevent.sleep(LIVE_EVERY_S)
+        run.live.refresh()
 
 
 def _show_progress(run: Run) -> None:
@@ -144,6 +204,13 @@ def _stop_when_done(environment, run: Run) -> None:
     run.tickets.all_done.wait()
     run.stop_calibration()  # the measured phase is over: what follows (stopping, the report) is not timed
     end_run(environment)
+
+
+def _refused(environment, message: str) -> None:
+    """The target refused a request for its credentials (its 401 or 403): say so in one line and stop."""
+    print(f"loadlab: {message}", file=sys.stderr, flush=True)
+    environment.process_exit_code = exits.TARGET
+    gevent.spawn(end_run, environment)
 
 
 def end_run(environment) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from loadlab import exits
-from loadlab.cliargs import non_negative, positive
+from loadlab.cliargs import non_negative, port, positive
 from loadlab.profile import APIS, CLI_OVERRIDES, parse_set_option
 
 DEFAULT_PROFILE = "profiles/default.yaml"
@@ -23,6 +23,8 @@ PASSED_THROUGH = (
     "client_limit_cpu",
     "strict",
     "target_wait",
+    "metrics_port",
+    "metrics_host",
 )  # loadlab run -> Locust, not profile keys
 DEFAULT_OUT = "reports"
 
@@ -39,6 +41,12 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
 
     if locust:
         add("--profile-file", default=DEFAULT_PROFILE, metavar="PATH", help="loadlab profile (YAML)")
+        # The web UI's login (Locust's --web-login turns it on): docs/web-ui.md, "Login".
+        add("--web-login-file", default=None, metavar="PATH",
+            help="a file holding the web UI's user:password (or set LOADLAB_WEB_LOGIN=user:password)")  # fmt: skip
+        add("--web-ui-open", action="store_true", default=False,
+            help="let the web UI listen beyond loopback without a login: anyone who reaches it can start load "
+            "against any host")  # fmt: skip
     add("--api", choices=APIS, default=None, help="SGLang API: native /generate or OpenAI completions/chat")
     add("--concurrency", type=positive(int), default=None, help="requests held in flight (Locust's -u wins)")
     add("--num-requests", type=positive(int), default=None, help="measured requests")
@@ -63,6 +71,12 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
         help="client-bound when a load generator's mean CPU passes this fraction of a core")  # fmt: skip
     add("--strict", action="store_true", default=False,
         help=f"exit {exits.CLIENT_BOUND} when the run is client-bound (its figures are suspect)")  # fmt: skip
+    # Off by default: a port opened by every run would collide between runs on one machine; the web UI
+    # serves /metrics on its own port anyway.
+    add("--metrics-port", type=port, default=None, metavar="PORT",
+        help="serve the live figures for Prometheus at http://HOST:PORT/metrics (a one-process run or a master)")  # fmt: skip
+    add("--metrics-host", default=None, metavar="HOST",
+        help="the address --metrics-port listens on (default: Locust's --web-host, all interfaces)")  # fmt: skip
     add(
         "--set",
         action="append",

@@ -24,11 +24,13 @@ from loadlab.manifest import (
     software_versions,
     write_manifest,
 )
-from loadlab.profile import Profile
+from loadlab.profile import API_PATHS, Profile, api_key_source, redact
 from loadlab.records import (
     OK,
+    RECORD_FIELDS,
     SPILL_DIR,
     RecordWriter,
+    RequestRecord,
     default_run_name,
     merge_spills,
     read_jsonl_records,
@@ -38,6 +40,7 @@ from loadlab.records import (
 )
 from loadlab.swarm.calibration import verdict
 from loadlab.swarm.options import DEFAULT_LIMIT_CPU, DEFAULT_LIMIT_MS
+from loadlab.target.probe import REFUSED, refusal
 from loadlab.workload import workload_source
 
 if TYPE_CHECKING:
@@ -61,8 +64,10 @@ class Run:
         model: str | None,
         users: int,
         argv: list[str],
+        api_key: str | None = None,
     ):
         self.profile = profile
+        self.api_key = api_key  # sent by this process's users; never written anywhere (redact)
         self.api = profile.target.api
         self.model = model
         self.workload = workload
@@ -84,10 +89,15 @@ class Run:
         self.calibration: dict[str, Any] | None = None
         self.scraper = None  # the target's /metrics scraper process (loadlab.target.scraper)
         self.client_limits = (DEFAULT_LIMIT_MS, DEFAULT_LIMIT_CPU)
+        self.live = None  # loadlab.swarm.live.LiveFigures, when the web UI or --metrics-port shows them
         self.finalized = False
-        self.summary: Summary | None = (
-            None  # the report's summary, once finalized (the console block prints it)
-        )
+        # A request the target refused for want of credentials (a gateway that lets the probe through):
+        # every other request would be refused too, so the run stops (on_refused) with this line.
+        self.refused: str | None = None
+        self.on_refused = None
+        # The report's summary once summary.md, report.html and records.parquet are written (the console
+        # block prints it; the web UI's Download Data serves the files).
+        self.summary: Summary | None = None
         self.manifest = Manifest(
             run_id=self.run_id,
             profile_path=profile_path,
@@ -101,7 +111,7 @@ class Run:
                 warmup_expected=profile.requests.warmup, measured_expected=profile.requests.measured
             ),
             versions=software_versions(locust=locust.__version__, gevent=gevent.__version__),
-            command=argv,
+            command=redact(list(argv), api_key),  # a key given on a command line stays out of it
         )
         write_manifest(self.dir, self.manifest)
 
@@ -113,7 +123,15 @@ class Run:
             log.error("loadlab: request %d recorded twice; the second record is dropped", rec.index)
             return
         self.writer.write(rec)
+        if rec.http_status in REFUSED and self.refused is None:
+            target = self.profile.target
+            self.refused = refusal(self.manifest.target.url, f"POST {API_PATHS[rec.api]}", rec.http_status,
+                                   self.api_key, api_key_source(target)) + "; the run stops"  # fmt: skip
+            if self.on_refused is not None:
+                self.on_refused(self.refused)
         self.indices.add(rec.index)
+        if self.live is not None:
+            self.live.add(rec)
         self.outcomes[rec.outcome] = self.outcomes.get(rec.outcome, 0) + 1
         if self.lost.pop(rec.index, None) is None:  # a request given up as lost is already counted
             self.tickets.finished(rec.phase)
@@ -171,7 +189,9 @@ class Run:
         if self.coordinator is not None:
             m.load_generators = self.coordinator.load_generators()
             generators += self.coordinator.calibrations()
-            m.failure = self.coordinator.failure
+            m.failure = redact(self.coordinator.failure, self.api_key)
+        if self.refused is not None:
+            m.failure = m.failure or self.refused
         if generators:
             m.client = ClientVerdict.model_validate(verdict(generators, *self.client_limits))
         write_manifest(self.dir, self.manifest)
@@ -216,6 +236,8 @@ class Run:
             else:
                 self.tickets.finished(row["phase"])
             self.outcomes[row["outcome"]] = self.outcomes.get(row["outcome"], 0) + 1
+            if self.live is not None:  # so the live figures end equal to the report's
+                self.live.add(RequestRecord(**{k: v for k, v in row.items() if k in RECORD_FIELDS}))
         spill = self.dir / SPILL_DIR
         if spill.is_dir():
             for path in spill.glob("*.jsonl"):

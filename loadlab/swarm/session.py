@@ -10,7 +10,7 @@ from pathlib import Path
 
 from loadlab.cluster.config import check_classes
 from loadlab.manifest import TargetInfo
-from loadlab.profile import ProfileError, load_profile
+from loadlab.profile import ProfileError, api_key_source, load_profile, read_api_key
 from loadlab.swarm.options import OPEN_LOOP_MAX_USERS, overrides_from_options
 from loadlab.target.cluster import EmbeddedCluster
 from loadlab.target.embedded import EmbeddedServer
@@ -34,20 +34,23 @@ class Session:
         self.profile = load_profile(self.profile_path, overrides_from_options(opts, environment.host))
         self.workload = build_workload(self.profile)
         self.renderer = Renderer(self.profile.target.tokenizer)  # a bad tokenizer file fails here
-        self.embedded: EmbeddedServer | EmbeddedCluster | None = None
         target = self.profile.target
+        # The target's API key, from the environment or a file (never the profile or the command line): a
+        # variable or file the profile names that is missing fails here, before anything starts.
+        self.api_key = read_api_key(target, self.profile_path)
+        self.embedded: EmbeddedServer | EmbeddedCluster | None = None
         if target.url == "embedded":
             # A cluster file that does not load is bad input, like the profile (a ClusterError), and so are
             # classes its districts do not serve (a ProfileError): both before anything starts. The
             # profile's cluster_overrides are laid over the file (checked the same way).
             if target.cluster:
-                self.embedded = EmbeddedCluster(target.cluster, target.cluster_overrides)
+                self.embedded = EmbeddedCluster(target.cluster, target.cluster_overrides, self.api_key)
                 for warning in check_classes(
                     self.profile, self.profile_path, self.embedded.config, target.cluster
                 ):
                     log.warning(warning)
             else:
-                self.embedded = EmbeddedServer(target.embedded)
+                self.embedded = EmbeddedServer(target.embedded, self.api_key)
             environment.host = self.embedded.start()
         else:
             environment.host = target.url
@@ -67,7 +70,8 @@ class Session:
         """Probes the target and remembers who it is (again when the web UI's Host field changes it)."""
         target = self.profile.target
         wait = self.environment.parsed_options.target_wait
-        found = probe(url, need_model=target.api != "generate" and not target.model, wait_s=wait)
+        found = probe(url, need_model=target.api != "generate" and not target.model, wait_s=wait,
+                      api_key=self.api_key, key_source=api_key_source(target))  # fmt: skip
         self.model = target.model or found["model"]
         ours = self.embedded is not None and url == self.embedded.url
         cluster = self.embedded if ours and isinstance(self.embedded, EmbeddedCluster) else None

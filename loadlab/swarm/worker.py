@@ -17,7 +17,7 @@ from gevent.event import AsyncResult, Event
 from loadlab import exits
 from loadlab.load import Ticket
 from loadlab.manifest import MANIFEST, Manifest, write_manifest
-from loadlab.profile import ProfileError, validate_profile
+from loadlab.profile import Profile, ProfileError, api_key_source, read_api_key, validate_profile
 from loadlab.records import (
     CANCELLED,
     MEASURE,
@@ -83,11 +83,14 @@ class WorkerRun:
     """The users' view of the run on a worker: what ``Run`` is in one process, with remote tickets and
     records shipped to the master (and spilled to a local file as they complete)."""
 
-    def __init__(self, agent: WorkerAgent, info: RunInfo):
+    def __init__(self, agent: WorkerAgent, info: RunInfo, profile: Profile, api_key: str | None):
         runner = agent.environment.runner
         self.agent = agent
         self.run_id = info.run_id
-        self.profile = validate_profile(info.profile, label=f"the master's profile ({info.profile_path})")
+        self.profile = profile
+        # This worker's own: every load generator reads the key from its environment or file; the master
+        # never sends it (Locust's master-worker channel is not encrypted).
+        self.api_key = api_key
         self.api = self.profile.target.api
         self.model = info.model
         self.rid_prefix = info.rid_prefix
@@ -161,8 +164,13 @@ class WorkerAgent:
     def _on_run(self, _master: str, info: RunInfo) -> None:
         environment = self.environment
         try:
-            probe(info.target_url, need_model=False)
-            self.run = WorkerRun(self, info)
+            label = f"the master's profile ({info.profile_path})"
+            profile = validate_profile(info.profile, label=label)
+            api_key = read_api_key(profile.target, label)
+            probe(
+                info.target_url, need_model=False, api_key=api_key, key_source=api_key_source(profile.target)
+            )
+            self.run = WorkerRun(self, info, profile, api_key)
         except (TargetError, ProfileError, OSError, ValueError) as e:
             self._fail(str(e))
             return

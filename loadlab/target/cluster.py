@@ -13,6 +13,7 @@ from loadlab.cluster.config import flatten_overrides, load_cluster, worker_setti
 from loadlab.manifest import ClusterDistrictInfo, ClusterInfo, ClusterWorkerInfo
 from loadlab.procs import ChildStartError, ReadyLineProcess
 from loadlab.profile import CLUSTER_OVERRIDES
+from loadlab.sim.auth import API_KEY_ENV as SERVER_API_KEY_ENV
 from loadlab.target.probe import TargetError
 
 START_TIMEOUT_S = 120.0  # every worker, then the front
@@ -20,9 +21,10 @@ START_TIMEOUT_S = 120.0  # every worker, then the front
 
 class EmbeddedCluster(ReadyLineProcess):
     """``loadlab cluster FILE --port 0``; ``start`` returns the URL a run aims at (the front, or the one
-    worker of a cluster without a front); ``workers`` and ``info()`` say what was started."""
+    worker of a cluster without a front); ``workers`` and ``info()`` say what was started. ``api_key``:
+    the run's, which the cluster then requires (``loadlab cluster`` reads it from its environment)."""
 
-    def __init__(self, path: str | Path, overrides: dict[str, Any] | None = None):
+    def __init__(self, path: str | Path, overrides: dict[str, Any] | None = None, api_key: str | None = None):
         self.path = str(path)
         # The profile's target.cluster_overrides: checked here (bad input, before anything starts) and
         # passed on as --set, so the launcher starts what this config says (and the manifest records).
@@ -33,7 +35,9 @@ class EmbeddedCluster(ReadyLineProcess):
             argv += ["--set", f"{key}={json.dumps(value)}"]  # JSON is YAML: --set reads it back as it was
         # The launcher's errors reach the run's log (a worker that died mid-run: the cluster goes on without
         # it); the children's own chatter stays in stderr_lines.
-        super().__init__(argv, READY_PREFIX, START_TIMEOUT_S, echo_prefix="[cluster] ", echo_if=ERROR_MARK)
+        # The run's key, if any, secures every worker and the front (in the environment, never argv).
+        super().__init__(argv, READY_PREFIX, START_TIMEOUT_S, echo_prefix="[cluster] ", echo_if=ERROR_MARK,
+                         env={SERVER_API_KEY_ENV: api_key})  # fmt: skip
         self.ready: dict[str, Any] = {}
 
     def start(self) -> str:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from loadlab.procs import spawn, stop
-from loadlab.target.probe import TargetError, probe
+from loadlab.target.probe import TargetAuthError, TargetError, probe
 
 
 class LaunchedServer:
@@ -35,6 +35,8 @@ class LaunchedServer:
             try:
                 probe(self.url, need_model=False, wait_s=0)
                 return
+            except TargetAuthError:
+                return  # a secured server that answers is up; each run's own probe sends its key
             except TargetError:
                 if time.monotonic() > deadline:
                     self.stop()

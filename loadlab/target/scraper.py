@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from loadlab.procs import spawn, stop
+from loadlab.profile import API_KEY_ENV, auth_headers
 from loadlab.records import DEFAULT_SCRAPE_INTERVAL_S, SERVER_METRICS
 
 GAUGES = (
@@ -64,10 +66,12 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def scrape_once(url: str, timeout_s: float = 2.0) -> dict[str, Any]:
+def scrape_once(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> dict[str, Any]:
     line: dict[str, Any] = {"t": time.time(), "url": url}
+    # SGLang leaves /metrics open with --api-key; a gateway in front may not: the key goes along.
+    request = urllib.request.Request(url.rstrip("/") + "/metrics", headers=auth_headers(api_key))
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
             line["m"] = parse_metrics(r.read().decode("utf-8", "replace"))
     except urllib.error.HTTPError as e:
         why = " (start SGLang with --enable-metrics)" if e.code == 404 else ""
@@ -85,13 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSONL file to append to")
     parser.add_argument("--interval", type=float, default=DEFAULT_SCRAPE_INTERVAL_S)
     args = parser.parse_args(argv)
+    api_key = os.environ.get(API_KEY_ENV) or None  # the run's key, from its environment (never argv)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     with open(args.out, "a") as f:
         next_t, round_no = time.monotonic(), 0
         while not stop:
             for url in args.urls:  # a round: every server once; the round number lines their series up
-                f.write(json.dumps({**scrape_once(url), "round": round_no}) + "\n")
+                f.write(json.dumps({**scrape_once(url, api_key=api_key), "round": round_no}) + "\n")
             f.flush()
             round_no += 1
             next_t += args.interval
@@ -102,13 +107,23 @@ def main(argv: list[str] | None = None) -> int:
 class Scraper:
     """The scraper process of a run (started by the process that owns the run directory)."""
 
-    def __init__(self, urls: list[str], run_dir: Path, interval_s: float = DEFAULT_SCRAPE_INTERVAL_S):
+    def __init__(
+        self,
+        urls: list[str],
+        run_dir: Path,
+        interval_s: float = DEFAULT_SCRAPE_INTERVAL_S,
+        api_key: str | None = None,
+    ):
         self.cmd = [sys.executable, "-m", "loadlab.target.scraper", *urls, "--out", str(Path(run_dir) / SERVER_METRICS),
                     "--interval", str(interval_s)]  # fmt: skip
+        # The run's key reaches the child in its environment under one name, whatever the profile named.
+        self.env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+        if api_key:
+            self.env[API_KEY_ENV] = api_key
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Scraper:
-        self.proc = spawn(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self.proc = spawn(self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=self.env)
         return self
 
     def stop(self) -> None:

@@ -1,0 +1,369 @@
+"""The numeric definitions every loadlab figure uses, with numpy only (no pandas): percentiles, per-request
+latency samples (TTFT, TPOT, ITL, E2E), SLO objectives. The post-processor (``metrics.py``) and the live
+figures on a Locust master (``loadlab.swarm.live``) both call these, so a live figure over the same
+records is the same number as summary.json's, bit for bit. Definitions: docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+# SLO keys in the profile: "<metric>_p<percentile>_ms" -> the latency metric they bound.
+SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "itl_ms", "e2e": "e2e_latency_ms"}
+_SLO_KEY = re.compile(r"^(ttft|tpot|itl|e2e)_p(\d+(?:\.\d+)?)_ms$")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Percentiles: numpy.percentile's linear method, from order statistics
+
+
+def linear_positions(n: int, qs: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where the q-th percentiles (0..100) of ``n`` sorted samples lie: the positions below and above each
+    and the weight between them, as numpy.percentile's default (linear, Hyndman & Fan 7) computes them."""
+    q = np.true_divide(np.asarray(qs, dtype=float), 100)
+    virtual = (n - 1) * q
+    below = np.floor(virtual)
+    gamma = virtual - below
+    lo = below.astype(np.intp)
+    hi = lo + 1
+    top = virtual >= n - 1
+    lo[top] = hi[top] = n - 1  # the maximum: numpy's weight there is moot, both bounds are the same sample
+    return lo, hi, gamma
+
+
+def lerp(a: np.ndarray, b: np.ndarray, gamma: np.ndarray) -> np.ndarray:
+    """numpy.percentile's interpolation between the bounding samples (from the nearer end, as numpy does,
+    so the result is the same to the last bit)."""
+    diff = b - a
+    return np.where(gamma >= 0.5, b - diff * (1 - gamma), a + diff * gamma)
+
+
+def quantiles(samples: Any, qs: Any) -> np.ndarray | None:
+    """The exact q-th percentiles (0..100) of the finite samples; None without any. Equal to
+    ``numpy.percentile(samples, qs, method="linear")`` (tests/test_live.py checks it bit for bit)."""
+    arr = np.asarray(samples, dtype=float).ravel()
+    arr = arr[np.isfinite(arr)]  # a copy: partitioned in place below
+    if arr.size == 0:
+        return None
+    lo, hi, gamma = linear_positions(arr.size, qs)
+    arr.partition(np.unique(np.concatenate([lo, hi])))
+    return lerp(arr[lo], arr[hi], gamma)
+
+
+def percentile(samples: Any, q: float) -> float | None:
+    """The exact q-th percentile (0..100) with linear interpolation; None without samples."""
+    values = quantiles(samples, [q])
+    return None if values is None else float(values[0])
+
+
+class SortedSamples:
+    """A growing multiset of samples whose percentiles cost O(log n), not O(n): a large sorted array and a
+    small one that new samples merge into, folded into the large one when it grows past a fraction of it
+    (each sample is copied O(1) times on average). For the live figures, refreshed every 2 s.
+
+    ``add`` takes ``run``, how to run a merge (``run(merge, a, b)``): a merge of millions of samples takes
+    ~100 ms in which numpy releases the GIL, so a gevent process runs it in a native thread and its event
+    loop goes on; None runs it here."""
+
+    FOLD_FRACTION = 8  # the small array is folded in once it holds more than 1/8 of the large one
+    FOLD_MIN = 4096
+    INLINE_MAX = 65536  # merges up to this many samples are not worth a thread
+
+    def __init__(self) -> None:
+        self.large = np.empty(0)
+        self.small = np.empty(0)
+        self.total = 0.0  # the samples' sum (a Prometheus histogram's _sum)
+
+    def __len__(self) -> int:
+        return self.large.size + self.small.size
+
+    def add(self, values: Any, run: Callable[..., np.ndarray] | None = None) -> None:
+        new = np.asarray(values, dtype=float).ravel()
+        new = np.sort(new[np.isfinite(new)])
+        if new.size == 0:
+            return
+        self.total += float(new.sum())
+        self.small = self._merged(self.small, new, run)
+        if self.small.size > max(self.large.size // self.FOLD_FRACTION, self.FOLD_MIN):
+            # One assignment after the merge: a reader in between sees the old arrays, never half of it.
+            self.large, self.small = self._merged(self.large, self.small, run), np.empty(0)
+
+    def copies(self, n: int) -> int:
+        """How many samples adding ``n`` copies (the merge into the small array, and the fold it may
+        trigger)."""
+        small = self.small.size + n
+        folds = small > max(self.large.size // self.FOLD_FRACTION, self.FOLD_MIN)
+        return small + (self.large.size + small if folds else 0)
+
+    def _merged(self, a: np.ndarray, b: np.ndarray, run: Callable[..., np.ndarray] | None) -> np.ndarray:
+        if run is None or a.size + b.size <= self.INLINE_MAX:
+            return merge_sorted(a, b)
+        return run(merge_sorted, a, b)
+
+    def kths(self, ks: Any) -> np.ndarray:
+        """The k-th smallest samples (0-based) of the union of the two sorted arrays: for each k a binary
+        search for how many of the k+1 smallest come from the large array. (A loop over scalars: ~20
+        times faster than the same search vectorised, for the handful of k a refresh asks.)"""
+        a, b = self.large, self.small
+        ks = np.asarray(ks, dtype=np.intp)
+        if b.size == 0:
+            return a[ks]
+        if a.size == 0:
+            return b[ks]
+        out = np.empty(ks.size)
+        for n, k in enumerate(ks.tolist()):
+            lo, hi = max(0, k + 1 - b.size), min(k + 1, a.size)
+            while lo < hi:
+                i = (lo + hi) // 2
+                if b[k - i] > a[i]:  # taking i from a and k+1-i from b leaves a's next one out: take more
+                    lo = i + 1
+                else:
+                    hi = i
+            j = k + 1 - lo
+            out[n] = max(a[lo - 1] if lo > 0 else -math.inf, b[j - 1] if j > 0 else -math.inf)
+        return out
+
+    def quantiles(self, qs: Any) -> np.ndarray | None:
+        """The same figures as ``quantiles`` over the same samples; None without any."""
+        n = len(self)
+        if n == 0:
+            return None
+        lo, hi, gamma = linear_positions(n, qs)
+        bounds = self.kths(np.concatenate([lo, hi]))
+        return lerp(bounds[: lo.size], bounds[lo.size :], gamma)
+
+    def percentile(self, q: float) -> float | None:
+        values = self.quantiles([q])
+        return None if values is None else float(values[0])
+
+    def count_at_most(self, bounds: Any) -> np.ndarray:
+        """How many samples are <= each bound (a Prometheus histogram's cumulative buckets)."""
+        bounds = np.asarray(bounds, dtype=float)
+        return np.searchsorted(self.large, bounds, side="right") + np.searchsorted(
+            self.small, bounds, side="right"
+        )
+
+
+def merge_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Two sorted arrays as one sorted array, in O(len(a) + len(b))."""
+    if a.size == 0:
+        return b
+    return np.insert(a, np.searchsorted(a, b, side="right"), b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-request samples
+
+
+def as_array(value: Any) -> np.ndarray:
+    """A record's list column as a float array: accepts lists, numpy arrays (Parquet), None and NaN."""
+    if value is None:
+        return np.empty(0)
+    if isinstance(value, float) and math.isnan(value):
+        return np.empty(0)
+    try:
+        arr = np.asarray(value, dtype=float).ravel()
+    except (TypeError, ValueError):
+        return np.empty(0)
+    return arr
+
+
+def token_events(arrival_ms: Any, arrival_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The token-carrying events of one request as (offset ms, tokens). Events carrying no token are
+    dropped; a missing token list counts one token per event."""
+    ms = as_array(arrival_ms)
+    tok = as_array(arrival_tokens)
+    if tok.size == 0:
+        tok = np.ones(ms.size)
+    n = min(ms.size, tok.size)
+    ms, tok = ms[:n], np.rint(tok[:n])
+    keep = np.isfinite(ms) & np.isfinite(tok) & (tok > 0)
+    return ms[keep], tok[keep].astype(np.int64)
+
+
+def itl_samples(arrival_ms: Any, arrival_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
+    """One request's ITL samples: (per token, per event).
+
+    For consecutive token-carrying events j-1, j the gap is arrival_ms[j] - arrival_ms[j-1]; event j
+    contributes gap / tokens[j], repeated tokens[j] times, to the per-token samples (bench_serving's
+    native backend), and the raw gap once to the per-event samples (its OpenAI backends).
+    """
+    return itl_from_events(*token_events(arrival_ms, arrival_tokens))
+
+
+def itl_from_events(ms: np.ndarray, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``itl_samples`` on events already cleaned by ``token_events``."""
+    if ms.size < 2:
+        return np.empty(0), np.empty(0)
+    gaps = np.diff(ms)
+    per_token = np.repeat(gaps / tok[1:], tok[1:])
+    return per_token, gaps
+
+
+def pooled_events(arrival_ms: list[Any], arrival_tokens: list[Any]) -> dict[str, np.ndarray]:
+    """``itl_samples`` and ``token_events`` over many requests at once, vectorised.
+
+    Returns the pooled ITL samples (``itl_per_token``, ``itl_per_event``) and, per request,
+    ``first_tokens`` (tokens in the first token-carrying event; NaN without one) and ``token_sum``.
+    """
+    n_rows = len(arrival_ms)
+    ms_parts, tok_parts, lengths = [], [], np.zeros(n_rows, dtype=np.int64)
+    for row, (ms, tok) in enumerate(zip(arrival_ms, arrival_tokens, strict=True)):
+        n_ms, n_tok = _length(ms), _length(tok)
+        if n_ms == 0:
+            continue
+        if n_tok != n_ms:  # rare: no per-event counts (one token each) or a ragged pair; clean it alone
+            ms, tok = token_events(ms, tok)
+            n_ms = ms.size
+        ms_parts.append(ms)
+        tok_parts.append(tok)
+        lengths[row] = n_ms
+    total = int(lengths.sum())
+    if total:
+        flat_ms = _concat(ms_parts, total)
+        flat_tok = np.rint(_concat(tok_parts, total))
+    else:
+        flat_ms, flat_tok = np.empty(0), np.empty(0)
+    rows = np.repeat(np.arange(n_rows), lengths)
+    keep = np.isfinite(flat_ms) & np.isfinite(flat_tok) & (flat_tok > 0)
+    flat_ms, flat_tok, rows = flat_ms[keep], flat_tok[keep].astype(np.int64), rows[keep]
+
+    first = np.ones(rows.size, dtype=bool)
+    first[1:] = rows[1:] != rows[:-1]
+    later = ~first
+    gaps = np.diff(flat_ms, prepend=np.nan)[later]
+    later_tok = flat_tok[later]
+    first_tokens = np.full(n_rows, np.nan)
+    first_tokens[rows[first]] = flat_tok[first]
+    return {
+        "itl_per_token": np.repeat(gaps / later_tok, later_tok) if gaps.size else np.empty(0),
+        "itl_per_event": gaps,
+        "first_tokens": first_tokens,
+        "token_sum": np.bincount(rows, weights=flat_tok, minlength=n_rows).astype(float),
+    }
+
+
+def _concat(parts: list[Any], total: int) -> np.ndarray:
+    """Concatenates lists (JSONL) and arrays (Parquet) into one float array."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts).astype(float, copy=False)
+    return np.fromiter(itertools.chain.from_iterable(parts), dtype=float, count=total)
+
+
+def _length(value: Any) -> int:
+    if value is None or isinstance(value, float):
+        return 0
+    try:
+        return len(value)
+    except TypeError:
+        return 0
+
+
+def latency_samples(
+    ttft: np.ndarray,
+    e2e: np.ndarray,
+    output_tokens: np.ndarray,
+    arrival_ms: list[Any],
+    arrival_tokens: list[Any],
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The latency samples of completed requests (arrays aligned per request; NaN where a record has no
+    value) and their output token counts: the server's count, else the tokens the events carried."""
+    events = pooled_events(arrival_ms, arrival_tokens)
+    out = np.where(np.isfinite(output_tokens), output_tokens, events["token_sum"])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tpot = (e2e - ttft) / (out - 1)
+        tpot = tpot[(out > 1) & np.isfinite(tpot)]
+        decode_denominator = out - events["first_tokens"]
+        tpot_decode = (e2e - ttft) / decode_denominator
+        tpot_decode = tpot_decode[(decode_denominator > 0) & np.isfinite(tpot_decode)]
+    samples = {
+        "ttft_ms": ttft[np.isfinite(ttft)],
+        "tpot_ms": tpot,
+        "tpot_decode_ms": tpot_decode,
+        "itl_ms": events["itl_per_token"],
+        "itl_per_event_ms": events["itl_per_event"],
+        "e2e_latency_ms": e2e[np.isfinite(e2e)],
+    }
+    return samples, out
+
+
+# ---------------------------------------------------------------------------------------------------
+# SLO
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return x is not None and math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
+
+
+def slo_objectives(slo: Any) -> tuple[list[tuple[str, float, float, str]], list[str]]:
+    """Parses the profile's slo mapping into [(metric, percentile, threshold_ms, key)] and the keys it
+    did not understand. Keys look like ttft_p95_ms; null values are unset objectives."""
+    objectives, unknown = [], []
+    if not isinstance(slo, dict):
+        return objectives, unknown
+    for key, threshold in slo.items():
+        if threshold is None:
+            continue
+        match = _SLO_KEY.match(str(key))
+        if not match or not _finite(threshold):
+            unknown.append(str(key))
+            continue
+        q = float(match.group(2))
+        objectives.append(
+            (SLO_METRICS[match.group(1)], int(q) if q.is_integer() else q, float(threshold), key)
+        )
+    order = list(SLO_METRICS.values())
+    objectives.sort(key=lambda o: (order.index(o[0]), o[1]))
+    return objectives, unknown
+
+
+def evaluate_slo(slo: Any, samples: dict[str, Any], failed: int) -> dict[str, Any]:
+    """Each objective's percentile against its threshold (pass when value <= threshold); an objective
+    with no samples fails. ``pass`` is all objectives passing, None when there are none. ``samples`` maps a
+    metric to its samples: an array, or a ``SortedSamples`` (the live figures)."""
+    objectives, unknown = slo_objectives(slo)
+    results = []
+    for metric, q, threshold, key in objectives:
+        value, count = _percentile_of(samples.get(metric), q)
+        results.append(
+            {
+                "key": key,
+                "metric": metric,
+                "percentile": q,
+                "threshold_ms": threshold,
+                "value_ms": value,
+                "samples": count,
+                "pass": value is not None and value <= threshold,
+            }
+        )
+    out: dict[str, Any] = {
+        "objectives": results,
+        "pass": all(r["pass"] for r in results) if results else None,
+        "failed_requests": int(failed),
+    }
+    if unknown:
+        out["unrecognized"] = sorted(unknown)
+    return out
+
+
+def _percentile_of(samples: Any, q: float) -> tuple[float | None, int]:
+    if isinstance(samples, SortedSamples):
+        return samples.percentile(q), len(samples)
+    arr = np.asarray(samples if samples is not None else [], dtype=float)
+    return percentile(arr, q), int(np.isfinite(arr).sum())
+
+
+def overall_pass(verdicts: Iterable[bool | None]) -> bool | None:
+    """The run's verdict from its run-wide one and its classes': every one that has objectives passes;
+    None when none has any."""
+    judged = [v for v in verdicts if v is not None]
+    return all(judged) if judged else None
