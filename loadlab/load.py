@@ -29,6 +29,9 @@ class Ticket(NamedTuple):
     index: int
     phase: str
     due: float | None  # open loop: when the request should be sent (the driver's clock); closed loop: None
+    # Requests index, index + 1, ...: a conversation's session (its turns, sent in order by the one user that
+    # holds the ticket; ``due`` is its first turn's); 1 for any other workload.
+    turns: int = 1
 
 
 class Arrivals:
@@ -95,18 +98,30 @@ def arrivals_for(profile: Profile, workload=None) -> Arrivals | TraceArrivals | 
     return Arrivals(load.rate, load.arrival, profile.seed)
 
 
+def tickets_for(profile: Profile, workload=None) -> Tickets:
+    """The profile's tickets: its request counts, its arrivals (a trace's from ``workload``), its
+    sessions."""
+    requests = profile.requests
+    return Tickets(requests.warmup, requests.measured, arrivals_for(profile, workload), profile.session_turns)
+
+
 class Tickets:
     """Hands out request indices so each index is sent exactly once, warm-up before measured; in open
-    loop each ticket also carries its due time.
+    loop each ticket also carries its due time. With ``turns`` > 1 a ticket is a conversation's session:
+    the indices from a multiple of ``turns`` to the next, or to the end of its phase (so the last measured
+    session may be shorter); counts (``finished``, the barrier) stay per request.
 
     Two ways to take one: ``take()`` blocks at the warm-up barrier (gevent: Locust users and the master's
     lease handler), ``take_ready(now)`` never blocks (the virtual-time run: None while the barrier is
     closed, or when every ticket is out; ``exhausted`` tells which)."""
 
-    def __init__(self, warmup: int, measured: int, arrivals: Arrivals | None = None):
+    def __init__(
+        self, warmup: int, measured: int, arrivals: Arrivals | TraceArrivals | None = None, turns: int = 1
+    ):
         self.arrivals = arrivals
         self.warmup = warmup
         self.total = warmup + measured
+        self.turns = turns
         self.next_index = 0
         self.warmup_finished = 0
         self.measured_finished = 0
@@ -137,18 +152,24 @@ class Tickets:
             return None
         index = self.next_index
         if index < self.warmup:
-            self.next_index += 1
-            return Ticket(index, WARMUP, self._due(now, index))
+            n = self._take_turns(index, self.warmup)
+            return Ticket(index, WARMUP, self._due(now, index), n)
         if not self.warmup_done.is_set():
             return None
-        self.next_index += 1
+        n = self._take_turns(index, self.total)
         if self.measure_started_wall is None:
             self.measure_started_wall = now
             if self.arrivals is not None:
                 self.arrivals.restart()  # measured arrivals start when the barrier opens
             if self.on_measure_start is not None:
                 self.on_measure_start()
-        return Ticket(index, MEASURE, self._due(now, index))
+        return Ticket(index, MEASURE, self._due(now, index), n)
+
+    def _take_turns(self, index: int, phase_end: int) -> int:
+        """Hands out the indices from ``index`` to the end of its session (never past its phase's end)."""
+        n = min(self.turns - index % self.turns, phase_end - index)
+        self.next_index += n
+        return n
 
     def _due(self, now: float, index: int) -> float | None:
         if self.arrivals is None:
@@ -186,15 +207,23 @@ def describe_load(profile: Profile, users: int) -> LoadDescription:
     open loop's rate and cap. ``users`` is Locust's user count (the closed loop's concurrency, the open
     loop's cap); an open loop asked without a cap and given a user for every request has no cap."""
     load = profile.load
+    turns = profile.session_turns
+    # A conversation's user holds its session from the first turn to the last reply, thinking included: the
+    # concurrency and the cap count sessions, and the rate is of sessions.
+    sessions = f" sessions of {turns} turns" if turns > 1 else ""
     if load.model == "closed":
-        return LoadDescription(
-            model="closed", concurrency=users, description=f"closed loop, {users} in flight"
-        )
+        held = f"{users}{sessions} at a time" if turns > 1 else f"{users} in flight"
+        return LoadDescription(model="closed", concurrency=users, description=f"closed loop, {held}")
     uncapped = load.concurrency is None and users >= profile.requests.warmup + profile.requests.measured
-    cap = "no cap on requests in flight" if uncapped else f"at most {users} in flight"
+    cap = (
+        f"no cap on{sessions or ' requests'} in flight"
+        if uncapped
+        else f"at most {users}{sessions} in flight"
+    )
+    per = "sessions/s" if turns > 1 else "req/s"
     trace = load.arrival == "trace"
     pace = (f"at the trace's own times{f' x{load.speed:g} speed' if load.speed != 1 else ''}" if trace
-            else f"{load.rate:g} req/s ({load.arrival})")  # fmt: skip
+            else f"{load.rate:g} {per} ({load.arrival})")  # fmt: skip
     return LoadDescription(
         model="open",
         rate=load.rate,

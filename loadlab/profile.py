@@ -197,7 +197,31 @@ class SloConfig(_Strict):
     e2e_p95_ms: float | None = Field(None, gt=0)
 
 
-class RagWorkloadConfig(_Strict):
+def _check_length_ranges(config: BaseModel, names: tuple[str, ...], at_least: dict[str, int]) -> None:
+    """Each ``name`` is fixed or drawn from ``name_range`` ([low, high], inclusive): one must be set, the range
+    must be ordered, and ``at_least`` gives a smallest length."""
+    for name in names:
+        rng = getattr(config, f"{name}_range")
+        if rng is not None and rng[0] > rng[1]:
+            raise ValueError(f"{name}_range must be [low, high] with low <= high (got {list(rng)})")
+        if rng is None and getattr(config, name) is None:
+            raise ValueError(f"set {name} or {name}_range")
+        least = at_least.get(name, 1)
+        if rng is None and getattr(config, name) < least:
+            raise ValueError(f"{name} must be at least {least} (the first two tokens make prompts unique)")
+        if rng is not None and rng[0] < least:
+            raise ValueError(f"{name}_range must start at {least} or more")
+
+
+class _WorkloadBase(_Strict):
+    """What every workload kind has."""
+
+    # SGLang's sampling parameter: true (bench_serving's choice) runs every request to max_new_tokens; false
+    # lets the model stop at its EOS (the twin: at a length drawn by its --eos-len-dist, docs/twin.md).
+    ignore_eos: StrictBool = Field(True, description="run every request to max_new_tokens (no early EOS)")
+
+
+class RagWorkloadConfig(_WorkloadBase):
     kind: Literal["rag"]
     input_len: PositiveInt = 1024
     output_len: PositiveInt = 256
@@ -222,7 +246,7 @@ class RagWorkloadConfig(_Strict):
         return self
 
 
-class SharedPrefixWorkloadConfig(_Strict):
+class SharedPrefixWorkloadConfig(_WorkloadBase):
     kind: Literal["shared_prefix"]
     num_groups: PositiveInt = 16
     # round_robin: request i is of group i % num_groups; random: a seeded draw per request (bench_serving
@@ -233,7 +257,7 @@ class SharedPrefixWorkloadConfig(_Strict):
     output_len: PositiveInt = 256
 
 
-class RandomPrefixWorkloadConfig(_Strict):
+class RandomPrefixWorkloadConfig(_WorkloadBase):
     kind: Literal["random_prefix"]
     input_len: PositiveInt | None = 512
     input_len_range: tuple[PositiveInt, PositiveInt] | None = None  # drawn uniformly, inclusive
@@ -242,20 +266,31 @@ class RandomPrefixWorkloadConfig(_Strict):
 
     @model_validator(mode="after")
     def _ranges(self):
-        for name in ("input_len", "output_len"):
-            rng = getattr(self, f"{name}_range")
-            if rng is not None and rng[0] > rng[1]:
-                raise ValueError(f"{name}_range must be [low, high] with low <= high (got {list(rng)})")
-            if rng is None and getattr(self, name) is None:
-                raise ValueError(f"set {name} or {name}_range")
-        if self.input_len_range is None and self.input_len is not None and self.input_len < 2:
-            raise ValueError("input_len must be at least 2 (the first two tokens make each prompt unique)")
-        if self.input_len_range is not None and self.input_len_range[0] < 2:
-            raise ValueError("input_len_range must start at 2 or more")
+        _check_length_ranges(self, ("input_len", "output_len"), {"input_len": 2})
         return self
 
 
-class DatasetWorkloadConfig(_Strict):
+class ConversationWorkloadConfig(_WorkloadBase):
+    """Multi-turn sessions (docs/workloads.md, *conversation*): request i is turn i % turns + 1 of session
+    i // turns; each turn's prompt holds the session's earlier turns and the server's replies."""
+
+    kind: Literal["conversation"]
+    turns: PositiveInt = 3  # requests per session
+    system_prompt_len: NonNegativeInt = 256  # opens every session's first prompt; 0: none
+    num_system_prompts: PositiveInt = 1  # session s has system prompt s % num_system_prompts
+    user_len: PositiveInt | None = 64  # each turn's user message
+    user_len_range: tuple[PositiveInt, PositiveInt] | None = None  # drawn uniformly, inclusive
+    output_len: PositiveInt | None = 128
+    output_len_range: tuple[PositiveInt, PositiveInt] | None = None
+    think_time_s: float = Field(0.0, ge=0, description="after a reply ends, before the next turn is sent")
+
+    @model_validator(mode="after")
+    def _lengths(self):
+        _check_length_ranges(self, ("user_len", "output_len"), {"user_len": 2})
+        return self
+
+
+class DatasetWorkloadConfig(_WorkloadBase):
     """Prompts replayed from a local file (loadlab/workload/datasets.py)."""
 
     kind: Literal["dataset"]
@@ -280,7 +315,7 @@ class DatasetWorkloadConfig(_Strict):
         return self
 
 
-class TraceWorkloadConfig(_Strict):
+class TraceWorkloadConfig(_WorkloadBase):
     """A Mooncake-style trace replayed with synthesised prompts (loadlab/workload/trace.py)."""
 
     kind: Literal["trace"]
@@ -298,7 +333,7 @@ class TraceWorkloadConfig(_Strict):
 RangeRatio = Annotated[float, Field(ge=0, le=1)]
 
 
-class RandomWorkloadConfig(_Strict):
+class RandomWorkloadConfig(_WorkloadBase):
     """bench_serving's random and random-ids datasets, under its option names (loadlab/workload/bench_serving.py)."""
 
     kind: Literal["random", "random-ids"]
@@ -307,7 +342,7 @@ class RandomWorkloadConfig(_Strict):
     random_range_ratio: RangeRatio = 0.0  # lengths uniform from max(1, int(L x ratio)) to L
 
 
-class GeneratedSharedPrefixWorkloadConfig(_Strict):
+class GeneratedSharedPrefixWorkloadConfig(_WorkloadBase):
     """bench_serving's generated-shared-prefix dataset, under its option names."""
 
     kind: Literal["generated-shared-prefix"]
@@ -323,6 +358,7 @@ WorkloadConfig = Annotated[
     RagWorkloadConfig
     | SharedPrefixWorkloadConfig
     | RandomPrefixWorkloadConfig
+    | ConversationWorkloadConfig
     | DatasetWorkloadConfig
     | TraceWorkloadConfig
     | RandomWorkloadConfig
@@ -411,6 +447,16 @@ class Profile(_Strict):
     def total_requests(self) -> int:
         return self.requests.warmup + self.requests.measured
 
+    @property
+    def conversation(self) -> bool:
+        """Whether requests are turns of sessions, each prompt holding the session's history."""
+        return isinstance(self.workload, ConversationWorkloadConfig)
+
+    @property
+    def session_turns(self) -> int:
+        """Requests per session, sent in order by one user: a conversation's turns, else 1."""
+        return self.workload.turns if isinstance(self.workload, ConversationWorkloadConfig) else 1
+
 
 # Command-line overrides common to `loadlab run` and `locust -f locustfile.py`: flag -> profile key.
 CLI_OVERRIDES = {
@@ -457,13 +503,18 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
                 f"{label}: --input-len: a shared_prefix workload has no input_len; use "
                 "--set workload.system_prompt_len=N or --set workload.question_len=N"
             )
+        if kind == "conversation" and key == "workload.input_len":
+            raise ProfileError(
+                f"{label}: --input-len: a conversation workload has no input_len (each turn's prompt holds the "
+                "earlier turns); use --set workload.user_len=N or --set workload.system_prompt_len=N"
+            )
         if key in _LENGTH_KEYS.get(kind, {}):
             named = _LENGTH_KEYS[kind][key]
             if named is None:
                 raise ProfileError(f"{label}: --{key.split('.')[1].replace('_', '-')}: a {kind} workload "
                                    f"takes its lengths from {_LENGTH_SOURCE[kind]}")  # fmt: skip
             key = named
-        if kind == "random_prefix" and key in ("workload.input_len", "workload.output_len"):
+        if kind in ("random_prefix", "conversation") and key in ("workload.input_len", "workload.output_len"):
             data["workload"].pop(key.split(".")[1] + "_range", None)  # a fixed length replaces a range
         if key == "target.url" and value != EMBEDDED and isinstance(data.get("target"), dict):
             # A server given on the command line replaces the cluster, and what was laid over it.
@@ -493,7 +544,8 @@ _LENGTH_SOURCE = {
 }
 
 WORKLOAD_KINDS = (
-    "rag", "shared_prefix", "random_prefix", "dataset", "trace", "random", "random-ids", "generated-shared-prefix"
+    "rag", "shared_prefix", "random_prefix", "conversation", "dataset", "trace", "random", "random-ids",
+    "generated-shared-prefix",
 )  # fmt: skip
 
 
@@ -517,6 +569,8 @@ def validate_profile(data: dict[str, Any], label: str = "<profile>", lines: Line
         check_mapping(embedded, check_embedded_settings, ["target", "embedded"], label, lines, ProfileError)
     if profile.classes is not None:
         _check_classes(profile, label, lines)
+    if profile.session_turns > 1:
+        _check_sessions(profile, label, lines)
     _check_files_and_arrivals(profile, label, lines)
     return profile
 
@@ -547,6 +601,25 @@ def _check_files_and_arrivals(profile: Profile, label: str, lines: Lines) -> Non
             fail(["load", "arrival"], "trace arrivals replay one trace in its order: not with classes")
 
 
+def _check_sessions(profile: Profile, label: str, lines: Lines) -> None:
+    """A conversation's sessions are whole within a phase (request i is turn i % turns + 1 of session
+    i // turns, so warm-up must end at a session boundary) and of one class."""
+    turns = profile.session_turns
+    warmup = profile.requests.warmup
+    if warmup % turns:
+        lower, upper = warmup - warmup % turns, warmup + turns - warmup % turns
+        raise ProfileError(
+            f"{where(label, lines, ['requests', 'warmup'])}: requests.warmup: {warmup} warm-up requests are not "
+            f"whole sessions of workload.turns {turns} (a session's turns share one phase): use a multiple of "
+            f"{turns}, e.g. {lower} or {upper}"
+        )
+    if profile.classes is not None:
+        raise ProfileError(
+            f"{where(label, lines, ['classes'])}: classes: not with a conversation workload (the classes split "
+            "requests one by one; a session's turns must stay together): drop classes"
+        )
+
+
 def _check_classes(profile: Profile, label: str, lines: Lines) -> None:
     """What the schema cannot say about one class alone: the shares, the names, the carry against the API."""
 
@@ -561,6 +634,10 @@ def _check_classes(profile: Profile, label: str, lines: Lines) -> None:
         if cls.name in seen:
             fail(["classes", str(i), "name"], f"{cls.name!r} is also the name of classes[{seen[cls.name]}]")
         seen[cls.name] = i
+        if isinstance(cls.workload, ConversationWorkloadConfig):
+            fail(["classes", str(i), "workload", "kind"],
+                 "not conversation (the classes split requests one by one; a session's turns must stay "
+                 "together)")  # fmt: skip
         api = profile.target.api
         if cls.carry.priority is not None and api == "chat":
             fail(["classes", str(i), "carry", "priority"],

@@ -100,6 +100,8 @@ class RequestRecord:
     request_class: str | None = (
         None  # the profile's SLO class of the request (its spec's); None without classes
     )
+    session: int | None = None  # a conversation's session (its spec's); None for any other workload
+    turn: int | None = None  # the request's turn in its session, 1 first
 
     def to_json_line(self) -> bytes:
         return orjson.dumps(self) + b"\n"  # orjson serialises dataclasses natively (~50x asdict)
@@ -284,6 +286,8 @@ def arrow_types() -> dict[str, Any]:
         "served_by": pa.string(),
         "status_source": pa.string(),
         "request_class": pa.string(),
+        "session": pa.int64(),
+        "turn": pa.int64(),
     }
     missing = set(RECORD_FIELDS) - set(types)
     assert not missing, f"no Arrow type for record fields {missing}"

@@ -1,18 +1,20 @@
 """The twin in virtual time: the same scheduler as the server, on a simulated clock, with a client model.
 
 ``run_virtual(profile, sim_settings, out_root)`` runs a profile's requests (``build_workload(profile)``,
-token ids = ``spec.input_ids``) against the twin and writes the same run directory a real run writes:
+token ids as the native API sends them; a conversation's turns with their session's history, the twin's
+replies fed back) against the twin and writes the same run directory a real run writes:
 ``records.jsonl`` / ``records.parquet`` (one ``RequestRecord`` per request, times from the simulated
 clock), ``manifest.json`` (a ``Manifest`` as ``loadlab run`` writes it, plus ``virtual: true``, the twin's
 settings and ``virtual_stats``) and ``summary.json`` / ``summary.md``. ``loadlab report`` works on it unchanged.
 
 Client models (``profile.load``):
 
-- closed loop: ``concurrency`` requests in flight; a new one is sent the moment one finishes.
+- closed loop: ``concurrency`` requests in flight; a new one is sent the moment one finishes. A
+  conversation's user holds a whole session: its next turn goes out ``think_time_s`` after a reply ends.
 - open loop: requests arrive at ``rate`` per second (Poisson or constant spacing: ``loadlab.load``'s
   arrivals, the same due times as a real run), whatever the server does; with an explicit ``concurrency`` at most that many are in flight
   (later arrivals wait client-side, as bench_serving's ``--max-concurrency``; ``t_scheduled_wall`` is when
-  a send was due).
+  a send was due). A conversation's sessions arrive at ``rate``, and the cap counts sessions.
 
 Warm-up then measured, as a real run: indices ``0..warmup-1`` are warm-up; measured requests are sent only
 once every warm-up request has finished (the open-loop arrival clock starts again at that moment).
@@ -48,7 +50,7 @@ from loadlab.cluster.policies import (
     next_in_line,
 )
 from loadlab.cluster.policies import POLICIES as OMNI_POLICIES
-from loadlab.load import Tickets, arrivals_for, describe_load
+from loadlab.load import describe_load, tickets_for
 from loadlab.manifest import (
     ClusterDistrictInfo,
     ClusterInfo,
@@ -80,15 +82,17 @@ from loadlab.sim.cost import cost_model
 from loadlab.sim.radix import RadixCache
 from loadlab.sim.scheduler import DONE, Request, RequestTooLargeError, Scheduler, UnavailableError
 from loadlab.sim.settings import TwinSettings, engine_config, resolve_settings
-from loadlab.workload import build_workload, workload_source
+from loadlab.workload import Dialogue, build_workload, get_renderer, workload_source
 
 WORKER_ID = "virtual"
 
 
 class _Spec:
-    """A request spec as the twin needs it (prompt as a list, the deterministic output ids)."""
+    """A request spec as the twin needs it: the prompt the native API would send (a conversation's turn: with
+    the session's history, ``loadlab.workload.Dialogue``), the deterministic output ids."""
 
     __slots__ = (
+        "ignore_eos",
         "input_len",
         "max_new_tokens",
         "output_ids",
@@ -96,31 +100,61 @@ class _Spec:
         "prompt",
         "request_class",
         "priority",
+        "session",
+        "turn",
     )
 
-    def __init__(self, spec):
-        self.prompt = list(spec.input_ids)
+    def __init__(self, spec, prompt: list[int]):
+        self.prompt = prompt
         self.input_len = len(self.prompt)
         self.max_new_tokens = spec.max_new_tokens
         self.prefix_group = spec.prefix_group
         self.request_class = spec.request_class
         self.priority = spec.priority
+        self.ignore_eos = spec.ignore_eos
+        self.session = spec.session
+        self.turn = spec.turn
         self.output_ids = output_ids_for(self.prompt, self.max_new_tokens)
 
 
 class _Specs:
     """``build_workload(profile).spec(i)``, converted once and kept: a sweep that runs the same profile at
-    several settings generates each request only once per process."""
+    several settings generates each request only once per process. The prompt is rendered as the native API
+    sends it (``Renderer.token_ids``), so the twin sees the ids it sees over HTTP: the same outputs and, with
+    ``--eos-len-dist``, the same lengths, request by request."""
 
     def __init__(self, profile: Profile):
         self.workload = build_workload(profile)
+        self.renderer = get_renderer(profile.target.tokenizer)
         self._cache: dict[int, _Spec] = {}
+        self._raw: dict[int, Any] = {}
 
     def get(self, index: int) -> _Spec:
         s = self._cache.get(index)
         if s is None:
-            s = self._cache[index] = _Spec(self.workload.spec(index))
+            spec = self.workload.spec(index)
+            s = self._cache[index] = _Spec(spec, self._native_ids(spec))
         return s
+
+    def _native_ids(self, spec) -> list[int]:
+        """The ids the twin sees over HTTP: a replayed prompt's own (the target's token ids, or its text as the
+        twin tokenizes it: ``spec.input_ids`` as counted), a generated prompt's word ids rendered as the native
+        API sends them."""
+        if spec.raw_ids or spec.text is not None or spec.messages is not None:
+            return list(spec.input_ids)
+        return self.renderer.token_ids(spec.input_ids)
+
+    def raw(self, index: int):
+        """``workload.spec(index)`` itself (kept)."""
+        spec = self._raw.get(index)
+        if spec is None:
+            spec = self._raw[index] = self.workload.spec(index)
+        return spec
+
+    def turn(self, index: int, dialogue: Dialogue) -> _Spec:
+        """A conversation's turn, with its session's history (not kept: it depends on the replies)."""
+        spec = self.raw(index)
+        return _Spec(spec, dialogue.prompt(spec).fields["input_ids"])
 
 
 _SPECS: dict[str, _Specs] = {}
@@ -129,7 +163,8 @@ _SPECS: dict[str, _Specs] = {}
 def _specs_for(profile: Profile) -> _Specs:
     # Everything build_workload reads: the classes too (their shares, workloads and carry: two profiles with
     # the same workload but other classes must not share specs).
-    # A dataset's prompts also depend on the tokenizer that counts them and the API they are sent on.
+    # The prompts are rendered by the target's tokenizer; a dataset's prompts also depend on the tokenizer
+    # that counts them and the API they are sent on.
     key = json.dumps([profile.model_dump(mode="json", include={"seed", "workload", "classes", "requests"}),
                       profile.target.tokenizer, profile.target.api], sort_keys=True)  # fmt: skip
     specs = _SPECS.get(key)
@@ -190,12 +225,18 @@ class VirtualRun:
         self.open_loop = load.model == "open"
         self.cap = load.concurrency  # None: an open loop without a cap
         # The real run's tickets and arrivals, on the virtual clock: the same indices, phases and due times.
-        arrivals = arrivals_for(profile, self.specs.workload)
-        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals)
+        self.tickets = tickets_for(profile, self.specs.workload)  # a trace's arrivals come from its workload
         self.records: list[RequestRecord] = []
         self.outcomes: dict[str, int] = {}
         self.queue_delays_ms: list[float] = []
-        self.in_flight = 0
+        # Tickets being served: from the first send to the last turn's end (a conversation's session holds its
+        # user while it thinks, as in Locust); the open loop's cap counts them.
+        self.holding = 0
+        self._ends: dict[int, int] = {}  # a ticket's index in progress -> the end of its ticket
+        self.conversation = profile.conversation
+        self._turns = profile.session_turns
+        self._dialogues: dict[int, Dialogue] = {}  # a session in progress -> its history
+        self._live: dict[int, _Spec] = {}  # a conversation's turn in progress -> its spec, with its history
         self._heap: list[tuple[float, int, int, str, float | None]] = []  # (send, seq, index, phase, due)
         self._seq = 0
         # Open loop over the concurrency cap: (index, phase, due) waiting client-side.
@@ -213,6 +254,7 @@ class VirtualRun:
     def _schedule_open(self, now: float) -> None:
         """Open loop: every ticket available now is pushed at its due time."""
         while (ticket := self.tickets.take_ready(now)) is not None:
+            self._ends[ticket.index] = ticket.index + ticket.turns
             self._push(max(ticket.due, now), ticket.index, ticket.phase, ticket.due)
 
     def start(self) -> None:
@@ -230,13 +272,31 @@ class VirtualRun:
             if ticket is None:
                 return
             self._slot_of[ticket.index] = self._free_slots.pop()
+            self._ends[ticket.index] = ticket.index + ticket.turns
             self._push(now, ticket.index, ticket.phase, None)
 
+    def _spec(self, index: int) -> _Spec:
+        """The spec of a request being sent; a conversation's turn has its session's history."""
+        if not self.conversation:
+            return self.specs.get(index)
+        live = self._live.get(index)
+        if live is None:
+            session = index // self._turns
+            dialogue = self._dialogues.get(session)
+            if dialogue is None:
+                dialogue = self._dialogues[session] = Dialogue("generate", self.specs.renderer)
+            live = self._live[index] = self.specs.turn(index, dialogue)
+        return live
+
     def _send(self, t: float, index: int, phase: str, due: float | None) -> None:
-        if self.open_loop and self.cap is not None and self.in_flight >= self.cap:
-            self._waiting_sends.append((index, phase, due if due is not None else t))
-            return
-        spec = self.specs.get(index)
+        # A ticket starts at a session's first turn (a multiple of turns); its later turns never wait for the
+        # cap: the session holds its user until its last turn ends.
+        if index % self._turns == 0:
+            if self.open_loop and self.cap is not None and self.holding >= self.cap:
+                self._waiting_sends.append((index, phase, due if due is not None else t))
+                return
+            self.holding += 1
+        spec = self._spec(index)
         cls = self.front.queue_key(spec)
         if cls is None:  # no district serves its class: the front's 400
             self._record_rejected(
@@ -253,12 +313,10 @@ class VirtualRun:
         if chosen is None:  # no worker has room: the request waits at the front, or is refused
             entry = (index, phase, t, due)
             queue.append(entry)
-            self.in_flight += 1
             if not first and self.front.switches(cls):
                 self._drain_class(cls, t, switch=True)
             if len(queue) > self.front.queue_size:
                 queue.remove(entry)
-                self.in_flight -= 1
                 self._record_rejected(index, phase, t, due, spec, 429,
                                       f"class {cls!r}: the front's queue is full ({len(queue)} waiting)")  # fmt: skip
                 self._on_done(t, index, phase)
@@ -272,6 +330,7 @@ class VirtualRun:
             spec.prompt,
             spec.max_new_tokens,
             output_ids=spec.output_ids,
+            ignore_eos=spec.ignore_eos,
             stream_interval=worker.settings.stream_interval,
             priority=spec.priority,  # the body's priority field (the profile's classes[].carry.priority)
         )
@@ -284,7 +343,6 @@ class VirtualRun:
             self.front.finished(self.workers.index(worker))
             self._on_done(t, index, phase)
             return
-        self.in_flight += 1
         if displaced is not None:  # a higher-priority request took its place in the worker's full queue
             self._record_dropped(displaced, t)
 
@@ -301,12 +359,11 @@ class VirtualRun:
         queue = self._front_queues[cls]
         while queue:
             index, phase, t, due = queue[0]
-            spec = self.specs.get(index)
+            spec = self._spec(index)
             chosen = self.front.choose(spec, now, in_line=len(queue), switch=switch)
             if chosen is None:
                 break
             queue.popleft()
-            self.in_flight -= 1  # counted again by _dispatch
             self._dispatch(t, index, phase, due, spec, self.workers[chosen])
 
     def _on_done(self, t: float, index: int, phase: str) -> None:
@@ -315,8 +372,20 @@ class VirtualRun:
             self.measure_start = t
             for w in self.workers:
                 w.sched.peak_used_tokens = w.sched.used_tokens
+        self._live.pop(index, None)
+        end = self._ends.pop(index, index + 1)
+        if index + 1 < end:  # the session's next turn, by the same user, once it has thought
+            nxt = index + 1
+            self._ends[nxt] = end
+            if index in self._slot_of:
+                self._slot_of[nxt] = self._slot_of.pop(index)
+            think = self.specs.raw(nxt).think_time_s
+            self._push(t + quantize(think) if think else t, nxt, phase, None)
+            return
+        self._dialogues.pop(index // self._turns, None)
+        self.holding -= 1
         if self.open_loop:
-            if self._waiting_sends and (self.cap is None or self.in_flight < self.cap):
+            if self._waiting_sends and (self.cap is None or self.holding < self.cap):
                 i, ph, due = self._waiting_sends.popleft()
                 self._push(t, i, ph, due)
             self._schedule_open(t)
@@ -344,6 +413,8 @@ class VirtualRun:
             prefix_group=spec.prefix_group,
             request_class=spec.request_class,
             t_scheduled_wall=None if due is None else self.epoch + due,
+            session=spec.session,
+            turn=spec.turn,
             **fields,
         )
 
@@ -369,7 +440,6 @@ class VirtualRun:
                                          error=f"aborted by server: {message}", e2e_ms=(t - t_send) * 1000.0,
                                          server_id=r.rid, served_by=worker.name,
                                          status_source=STATUS_WORKER))  # fmt: skip
-        self.in_flight -= 1
         self.front.finished(self.workers.index(worker))
         self._on_done(t, index, phase)
 
@@ -399,11 +469,13 @@ class VirtualRun:
                 cached_tokens=r.cached_tokens,
                 num_retractions=r.num_retractions,
                 server_queue_ms=queue_ms,
-                finish_reason="length",
+                finish_reason=(r.finish_reason or {}).get("type"),
                 served_by=worker.name,
                 status_source=STATUS_WORKER,
             )
         )
+        if self.conversation:  # the reply, into the session's history for its next turn
+            self._dialogues[index // self._turns].reply(list(r.output_ids[: r.gen]), r.gen)
 
     # -- the clock ------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -438,7 +510,6 @@ class VirtualRun:
             first.sched.complete(it, now)
             first.it = None
             for r in it.finished:
-                self.in_flight -= 1
                 self.front.finished(self.workers.index(r.handle[5]))
                 if r.state == DONE:
                     self._record(r)

@@ -556,6 +556,7 @@ def compute_summary(
         summary["classes"].append(entry)
         if class_samples_out is not None:  # each class's own samples, for its plots
             class_samples_out[name] = class_samples
+    summary["sessions"], summary["turns"] = _turns(df, measured, ok, ttft, prompt_each, cached_tokens)
     summary["slo"]["pass"] = overall_pass(
         [summary["slo"]["pass"], *(c["slo"]["pass"] for c in summary["classes"])]
     )
@@ -581,6 +582,10 @@ def compute_summary(
         scheduled_col, t_send, ttft, prompt_each, measured, ok, t_send, end_wall
     )
     closed = run.load_kind == "closed"
+    # A conversation's users think between turns (fewer in flight than users, by design), and its cache hits
+    # rise along each session: the pitfalls below judge its first turns only, and its concurrency by them.
+    first_turns = ok & ~(_numeric(df, "turn") > 1)
+    thinks = bool(_get(run.profile, "workload", "think_time_s"))
     retractions = server.get("retractions")
     if retractions is None:  # no /metrics (a virtual run): the records' own counts
         counts = _numeric(df, "num_retractions")[measured]
@@ -597,7 +602,7 @@ def compute_summary(
         verdicts.kv_finding(
             peak_usage if peak_usage is not None else run.virtual_peak_usage, retractions, refused
         ),
-        verdicts.lock_finding(closed, run.max_concurrency, flight, above_cap, duration),
+        verdicts.lock_finding(closed and not thinks, run.max_concurrency, flight, above_cap, duration),
         verdicts.warmup_finding(
             int(warmup.sum()),
             run.max_concurrency if closed else None,
@@ -605,7 +610,7 @@ def compute_summary(
             ttft,
             cached_tokens,
             prompt_tokens,
-            ok,
+            first_turns,
         ),
         verdicts.cache_finding(summary["expected_cached_token_ratio"], cached_ratio, len(workers)),
     ]
@@ -613,6 +618,42 @@ def compute_summary(
     if samples_out is not None:  # the per-request samples, for plots
         samples_out.update(samples)
     return Summary.model_validate(clean(summary))  # the flat keys of summary.json, as summary.json is read
+
+
+def _turns(
+    df: pd.DataFrame, measured: np.ndarray, ok: np.ndarray, ttft: np.ndarray, prompt: np.ndarray,
+    cached: np.ndarray,
+) -> tuple[int | None, list[dict[str, Any]]]:  # fmt: skip
+    """A conversation's measured sessions and per turn (the records' turn) its counts, mean prompt, cache-hit
+    ratio and TTFT; (None, []) for records without turns. ``prompt``: each record's prompt tokens (the
+    server's, else the length sent)."""
+    turn, session = _numeric(df, "turn"), _numeric(df, "session")
+    has = measured & np.isfinite(turn)
+    if not has.any():
+        return None, []
+    out = []
+    for t in np.unique(turn[has]).astype(int).tolist():
+        mine = has & (turn == t)
+        done = mine & ok
+        reported = done & np.isfinite(cached) & np.isfinite(prompt)
+        prompts = float(np.sum(prompt[reported]))
+        ttft_t = ttft[done]
+        ttft_t = ttft_t[np.isfinite(ttft_t)]
+        out.append(
+            {
+                "turn": t,
+                "measured_requests": int(mine.sum()),
+                "completed": int(done.sum()),
+                "mean_prompt_tokens": float(np.nanmean(prompt[done])) if done.any() else None,
+                "cached_token_ratio": float(np.sum(cached[reported]) / prompts) if prompts > 0 else None,
+                "cached_tokens_reported": int(reported.sum()),
+                "mean_ttft_ms": float(np.mean(ttft_t)) if ttft_t.size else None,
+                "median_ttft_ms": percentile(ttft_t, 50),
+                "p95_ttft_ms": percentile(ttft_t, 95),
+                "p99_ttft_ms": percentile(ttft_t, 99),
+            }
+        )
+    return int(np.unique(session[has & np.isfinite(session)]).size), out
 
 
 def _outage(outage: tuple[float, float | None] | None, window_start: float | None) -> dict[str, Any]:

@@ -156,6 +156,31 @@ def _worker_lines(s: Summary) -> list[str]:
     return [*lines, ""]
 
 
+def _turn_lines(s: Summary) -> list[str]:
+    """The per-turn table: only for a conversation (the records' turn)."""
+    if not s.turns:
+        return []
+    lines = [
+        f"## Per turn ({s.sessions} measured sessions)",
+        "",
+        "| turn | measured | completed | mean prompt tokens | cached | TTFT mean | TTFT P50 | TTFT P95 | TTFT P99 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for t in s.turns:
+        hit = "n/a" if t.cached_token_ratio is None else f"{t.cached_token_ratio * 100:.1f}%"
+        lines.append(
+            f"| {t.turn} | {t.measured_requests} | {t.completed} | {_num(t.mean_prompt_tokens)} | {hit} | "
+            f"{_num(t.mean_ttft_ms)} | {_num(t.median_ttft_ms)} | {_num(t.p95_ttft_ms)} | {_num(t.p99_ttft_ms)} |"
+        )
+    lines += [
+        "",
+        "Latencies in ms. Each turn's prompt holds the session's earlier turns and the server's replies; cached "
+        "is cached / prompt tokens of the turn's completed requests.",
+        "",
+    ]
+    return lines
+
+
 def verdict_word(passed: bool | None) -> str:
     return "n/a" if passed is None else ("PASS" if passed else "FAIL")
 
@@ -464,6 +489,7 @@ def render_markdown(s: Summary) -> str:
     lines += _server_lines(s.server)
     lines += _worker_lines(s)
     lines += _class_lines(s)
+    lines += _turn_lines(s)
 
     lines += ["## SLO", ""]
     lines += slo_lines(s)

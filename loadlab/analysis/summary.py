@@ -37,15 +37,18 @@ from pydantic import (
 )
 
 SUMMARY_JSON = "summary.json"
-SUMMARY_VERSION = 4  # 2: workers and unattributed_requests (per-worker attribution); 3: classes; 4: goodput,
-# the overload verdict, findings and the expected cached-token ratio
-SUMMARY_SCHEMA = "loadlab.summary/4"  # kept beside version, which came later; bumped with it
+SUMMARY_VERSION = 5  # 2: workers and unattributed_requests (per-worker attribution); 3: classes; 4: goodput,
+# the overload verdict, findings and the expected cached-token ratio; 5: a conversation's sessions and turns,
+# a file workload's prompt_lengths
+SUMMARY_SCHEMA = "loadlab.summary/5"  # kept beside version, which came later; bumped with it
 # Older versions this one reads: each added fields only, so an old file reads with their defaults.
-READS_VERSIONS = (1, 2, 3, 4)
+READS_VERSIONS = (1, 2, 3, 4, 5)
 # Version 3 added classes, workers[].unreachable_from, unreachable_after_s, reachable_again_from, front_failed
 # and front_failures; version 4 goodput_limits, good_requests, goodput_ratio, request_goodput, output_goodput
-# (top level and classes[]), overload, expected_cached_token_ratio and findings. Each has a default (null or
-# empty), so older summaries read; `loadlab report RUN_DIR` computes the new figures from the records.
+# (top level and classes[]), overload, expected_cached_token_ratio and findings; version 5 sessions, turns and
+# prompt_lengths.
+# Each has a default (null or empty), so older summaries read; `loadlab report RUN_DIR` computes the new
+# figures from the records.
 
 
 class SummaryError(ValueError):
@@ -447,6 +450,26 @@ class RequestClass(_FlatLatency, _Goodput):
     slo: Slo = Field(description="Its verdict against its own SLO (the class's slo, else the profile's).")
 
 
+class Turn(_Model):
+    """One turn of a conversation's sessions (the records' turn): its measured requests alone. Later turns
+    carry the earlier ones in their prompts, so their cache-hit ratio should rise."""
+
+    turn: int = Field(description="The turn, 1 first (the records' turn).")
+    measured_requests: int = Field(description="Measured records of this turn, any outcome.")
+    completed: int = Field(description="Of those, outcome ok.")
+    mean_prompt_tokens: float | None = Field(
+        description="Mean prompt length of its completed requests (server-reported, else the length sent)."
+    )
+    cached_token_ratio: float | None = Field(
+        description="sum(cached_tokens) / sum(prompt_tokens) over its completed requests reporting both."
+    )
+    cached_tokens_reported: int = Field(description="Its completed requests reporting both counts.")
+    mean_ttft_ms: float | None = Field(description="Mean TTFT of its completed requests (ms).")
+    median_ttft_ms: float | None = Field(description="TTFT P50 of its completed requests (ms).")
+    p95_ttft_ms: float | None = Field(description="TTFT P95 of its completed requests (ms).")
+    p99_ttft_ms: float | None = Field(description="TTFT P99 of its completed requests (ms).")
+
+
 # ---------------------------------------------------------------------------------------------------
 # The summary
 
@@ -454,12 +477,12 @@ class RequestClass(_FlatLatency, _Goodput):
 class Summary(_FlatLatency, _Goodput):
     """The run summary (summary.json), computed exactly from the raw records: docs/metrics.md."""
 
-    schema_name: Literal["loadlab.summary/4"] = Field(
-        alias="schema", description="The schema, loadlab.summary/4."
+    schema_name: Literal["loadlab.summary/5"] = Field(
+        alias="schema", description="The schema, loadlab.summary/5."
     )
-    version: Literal[4] = Field(
+    version: Literal[5] = Field(
         SUMMARY_VERSION,
-        description="Schema version of this summary (versions 1-3 and summaries without the key read as 4).",
+        description="Schema version of this summary (versions 1-4 and summaries without the key read as 5).",
     )
     run_id: str | None = Field(description="The run's id (manifest run_id).")
     profile_name: str | None = Field(description="The profile's name.")
@@ -537,6 +560,14 @@ class Summary(_FlatLatency, _Goodput):
         default_factory=list,
         description="Per SLO class (the profile's classes, in its order; then any other request_class of the "
         "records, sorted); empty without classes (and in summaries written before classes).",
+    )
+    sessions: int | None = Field(
+        None, description="A conversation's measured sessions (distinct records' session); null for others."
+    )
+    turns: list[Turn] = Field(
+        default_factory=list,
+        description="Per conversation turn (the records' turn), in order; empty for other workloads (and in "
+        "summaries written before conversations).",
     )
     overload: Overload | None = Field(
         None, description="Open loop: whether arrivals outran the server; null for a closed loop."

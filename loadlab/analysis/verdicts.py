@@ -389,7 +389,8 @@ def kv_finding(peak_usage: float | None, retractions: float | None, refused: int
 def reusable_prefix(profile: dict[str, Any] | None, indices: np.ndarray) -> np.ndarray | None:
     """For each record's index, the prompt tokens its workload shares with a lower-index request of the run
     (every index below the highest recorded one: tickets hand them out in order, warm-up first). None when
-    the profile's seed, workload, requests and classes do not validate (an old or hand-made manifest)."""
+    the profile's seed, workload, requests and classes do not validate (an old or hand-made manifest), or
+    when the workload cannot say before the run (a conversation whose replies may end early)."""
     finite = indices[np.isfinite(indices)]
     if not isinstance(profile, dict) or finite.size == 0:
         return None
@@ -399,12 +400,11 @@ def reusable_prefix(profile: dict[str, Any] | None, indices: np.ndarray) -> np.n
     target = profile.get("target")
     if isinstance(target, dict):  # a dataset's prompts are counted with the tokenizer, for the API
         prompts["target"] = {key: target[key] for key in ("tokenizer", "api") if key in target}
+    top = int(finite.max())
     try:
-        workload = build_workload(validate_profile(prompts))
+        shared = build_workload(validate_profile(prompts)).reusable_prefix(range(top + 1)).astype(float)
     except (ProfileError, ValueError):
         return None
-    top = int(finite.max())
-    shared = workload.reusable_prefix(range(top + 1)).astype(float)
     out = np.full(indices.size, np.nan)
     known = np.isfinite(indices) & (indices >= 0)
     out[known] = shared[indices[known].astype(np.int64)]

@@ -16,24 +16,28 @@ from loadlab.records import DROPPED, OK, PROTOCOL_ERROR, STREAM_ERROR
 MAX_ERROR_TEXT = 300
 
 
-def build_body(api: str, spec, renderer, model: str | None, rid: str) -> tuple[str, bytes]:
+def build_body(api: str, spec, renderer, model: str | None, rid: str, prompt=None) -> tuple[str, bytes]:
     """Returns (path, JSON body) for one request spec on the given API. A class's carry goes in the body: its
     ``priority`` (SGLang's field; the profile refuses it with chat, where the router drops it) and its
-    ``model`` in place of the run's."""
+    ``model`` in place of the run's. ``prompt``: a conversation turn's (``loadlab.workload.Prompt``: the
+    session's history and the turn), in place of the spec's own tokens."""
     if api == "generate":
-        # A replayed prompt goes as its token ids when they are the target's (counted by its tokenizer), else
-        # as its text, which the server tokenizes itself; a generated prompt as rendered word ids.
-        if spec.raw_ids:
-            prompt: dict = {"input_ids": list(spec.input_ids)}
+        # A conversation turn goes as its session's ids; a replayed prompt as its token ids when they are the
+        # target's (counted by its tokenizer), else as its text, which the server tokenizes itself; a
+        # generated prompt as rendered word ids.
+        if prompt is not None:
+            fields: dict = {"input_ids": prompt.fields["input_ids"]}
+        elif spec.raw_ids:
+            fields = {"input_ids": list(spec.input_ids)}
         elif spec.text is not None:
-            prompt = {"text": spec.text}
+            fields = {"text": spec.text}
         else:
-            prompt = {"input_ids": renderer.token_ids(spec.input_ids)}
+            fields = {"input_ids": renderer.token_ids(spec.input_ids)}
         body = {
-            **prompt,
+            **fields,
             "sampling_params": {
                 "max_new_tokens": spec.max_new_tokens,
-                "ignore_eos": True,
+                "ignore_eos": spec.ignore_eos,
                 "temperature": 0.0,
             },
             "stream": True,
@@ -43,14 +47,16 @@ def build_body(api: str, spec, renderer, model: str | None, rid: str) -> tuple[s
         body = {
             "model": spec.model if spec.model is not None else model,
             "max_tokens": spec.max_new_tokens,
-            "ignore_eos": True,
+            "ignore_eos": spec.ignore_eos,
             "temperature": 0.0,
             "stream": True,
             # continuous_usage_stats gives a cumulative token count on every chunk, so multi-token
             # chunks are counted exactly; include_usage adds the final totals chunk.
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
-        if api == "chat" and spec.messages is not None:
+        if prompt is not None:
+            body.update(prompt.fields)  # a conversation turn: the session's history and the turn
+        elif api == "chat" and spec.messages is not None:
             body["messages"] = [{"role": role, "content": content} for role, content in spec.messages]
         elif api == "completions" and spec.raw_ids and spec.text is None:
             body["prompt"] = list(spec.input_ids)  # a file's token ids: the completions API takes them as is
@@ -88,14 +94,20 @@ class Decoded:
     num_retractions: int | None = None
     server_queue_s: float | None = None  # meta_info.queue_time (SGLang with --enable-metrics)
     finish_reason: str | None = None
+    reply: list[int] | str | None = None  # with ``reply``: the output ids (native) or the text (OpenAI)
 
 
-def decode_stream(api: str, lines: list[bytes], times: list[float], ended_cleanly: bool) -> Decoded:
+def decode_stream(
+    api: str, lines: list[bytes], times: list[float], ended_cleanly: bool, reply: bool = False,
+    last_whole: bytes | None = None,
+) -> Decoded:  # fmt: skip
     """Decodes the raw SSE lines of one response. ``ended_cleanly``: the body ended without a transport
-    error (a drop or timeout is already known to the caller, who overrides the outcome)."""
+    error (a drop or timeout is already known to the caller, who overrides the outcome). ``reply``: also
+    keep what the server answered (a conversation feeds it back): the OpenAI chunks' text, or on the native
+    API the output ids of ``last_whole``, the last event as it arrived (the reader cuts the others)."""
     out = Decoded()
     decode_event = _decode_native if api == "generate" else _decode_openai
-    state = _State()
+    state = _State(reply and api != "generate")
     saw_done = False
     for raw, t in zip(lines, times, strict=True):
         line = raw.rstrip(b"\r\n")
@@ -134,7 +146,20 @@ def decode_stream(api: str, lines: list[bytes], times: list[float], ended_cleanl
     state.finish(out)
     if ended_cleanly and not saw_done and out.finish_reason is None:
         out.outcome, out.error = DROPPED, "stream ended without a finish_reason or [DONE]"
+    if reply and api == "generate":
+        out.reply = _native_output_ids(last_whole)
     return out
+
+
+def _native_output_ids(line: bytes | None) -> list[int] | None:
+    """The cumulative ``output_ids`` of a whole native event line (None when it has none)."""
+    if not line:
+        return None
+    try:
+        ids = parse_event(line.rstrip(b"\r\n").removeprefix(b"data:").strip()).get("output_ids")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return ids if isinstance(ids, list) and all(type(i) is int for i in ids) else None
 
 
 META_KEY = b'"meta_info":'
@@ -151,14 +176,17 @@ def parse_event(payload: bytes) -> dict:
 
 
 class _State:
-    __slots__ = ("tokens", "inexact_events", "final_usage_tokens")
+    __slots__ = ("tokens", "inexact_events", "final_usage_tokens", "texts")
 
-    def __init__(self):
+    def __init__(self, reply: bool = False):
         self.tokens = 0  # tokens counted so far from the server's cumulative counters
         self.inexact_events = 0  # OpenAI content chunks seen without a token count
         self.final_usage_tokens = None
+        self.texts: list[str] | None = [] if reply else None  # the OpenAI chunks' text, when kept
 
     def finish(self, out: Decoded) -> None:
+        if self.texts is not None:
+            out.reply = "".join(self.texts)
         if self.inexact_events:
             out.tokens_per_event_exact = False
         if self.final_usage_tokens is not None:
@@ -206,6 +234,8 @@ def _decode_openai(event: dict, t: float, state: _State, out: Decoded) -> None:
             out.finish_reason = finish
             if finish == "abort":
                 out.outcome, out.error = STREAM_ERROR, "aborted by server"
+        if content and state.texts is not None:
+            state.texts.append(content)
     if usage:
         completion = usage.get("completion_tokens")
         out.prompt_tokens = usage.get("prompt_tokens", out.prompt_tokens)

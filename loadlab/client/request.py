@@ -14,16 +14,21 @@ def new_exchange() -> Exchange:
 
 
 def send(
-    client: StreamingClient, api: str, spec, renderer, model: str | None, rid: str, ex: Exchange
+    client: StreamingClient, api: str, spec, renderer, model: str | None, rid: str, ex: Exchange, prompt=None
 ) -> None:
-    """Streams one request into ``ex`` (the caller owns it, so a cancelled request still has its data)."""
-    path, body = build_body(api, spec, renderer, model, rid)
+    """Streams one request into ``ex`` (the caller owns it, so a cancelled request still has its data).
+    ``prompt``: a conversation turn's (``Dialogue.prompt(spec)``)."""
+    path, body = build_body(api, spec, renderer, model, rid, prompt)
     keep_from = META_KEY if api == "generate" else None
     client.post_stream(path, body, ex, keep_from=keep_from, headers=class_headers(spec))
 
 
-def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id: int, cancelled=False):
-    """Turns a finished (or cancelled) exchange into the request's record."""
+def to_record(
+    ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id: int, cancelled=False, dialogue=None
+):  # fmt: skip
+    """Turns a finished (or cancelled) exchange into the request's record. ``dialogue``: the conversation the
+    request was a turn of (``loadlab.workload.Dialogue``): the record takes the length of the prompt sent,
+    and the server's reply goes into the dialogue for the next turn."""
     rec = RequestRecord(
         index=spec.index,
         phase=phase,
@@ -32,12 +37,14 @@ def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id:
         user_id=user_id,
         t_send_wall=ex.t_send_wall,
         http_status=ex.status,
-        input_len=spec.input_len,
+        input_len=spec.input_len if dialogue is None else dialogue.input_len,
         max_new_tokens=spec.max_new_tokens,
         prefix_group=spec.prefix_group,
         request_class=spec.request_class,
         served_by=ex.served_by,
         status_source=ex.status_source,
+        session=spec.session,
+        turn=spec.turn,
     )
     t_end = ex.t_end if ex.t_end is not None else time.perf_counter()
     rec.e2e_ms = (t_end - ex.t_send) * 1000.0
@@ -47,7 +54,12 @@ def to_record(ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id:
         rec.error = error_from_body(ex.status, ex.body)
         return rec
     clean = ex.transport == OK and not cancelled
-    decoded = decode_stream(api, ex.lines, ex.times, ended_cleanly=clean)
+    want = dialogue is not None and not cancelled
+    decoded = decode_stream(
+        api, ex.lines, ex.times, ended_cleanly=clean, reply=want, last_whole=ex.last_whole
+    )
+    if want:
+        dialogue.reply(decoded.reply, decoded.output_tokens or 0)
     t0 = ex.t_send
     rec.arrival_ms = [(t - t0) * 1000.0 for t in decoded.arrival_times]
     rec.arrival_tokens = decoded.arrival_tokens

@@ -48,6 +48,7 @@ class Exchange:
     status: int | None = None
     lines: list[bytes] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    last_whole: bytes | None = None  # with keep_from: the last line that was cut, as it arrived
     t_end: float | None = None
     transport: str = OK  # OK, HTTP_ERROR, DROPPED, TIMEOUT, CONNECT_ERROR or PROTOCOL_ERROR
     error: str | None = None
@@ -108,7 +109,9 @@ class StreamingClient:
 
         ``keep_from``: keep each line only from the last occurrence of these bytes on (native SGLang
         events repeat the whole output so far before ``"meta_info":``; keeping only the tail makes memory
-        linear in the output length instead of quadratic). ``headers``: extra request headers (a class's).
+        linear in the output length instead of quadratic); the last line cut is kept whole as well, in
+        ``ex.last_whole`` (the whole output, which a conversation's next turn repeats). ``headers``: extra
+        request headers (a class's).
         """
         sent_headers = {**self.headers, **headers} if headers else self.headers
         deadline = gevent.Timeout(self.timeout_s)
@@ -144,6 +147,7 @@ class StreamingClient:
             readline = resp.readline
             lines, times = ex.lines, ex.times
             perf = time.perf_counter
+            whole = None
             while True:
                 line = readline(b"\n")
                 t = perf()
@@ -152,9 +156,11 @@ class StreamingClient:
                 if keep_from is not None:
                     cut = line.rfind(keep_from)
                     if cut > 0:
+                        whole = line  # a reference, not a copy: only the last one stays alive
                         line = line[cut:]
                 lines.append(line)
                 times.append(t)
+            ex.last_whole = whole
             ex.t_end = times[-1] if times else perf()
             resp.release()
         except gevent.Timeout as e:

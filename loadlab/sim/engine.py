@@ -11,7 +11,8 @@ Pure Python and asyncio, no HTTP. The server talks to it only through:
 The loop asks the scheduler for the next forward pass, sleeps until the pass's end (timed from the previous
 pass's intended end, so wake-up lateness does not accumulate), applies it, and wakes the streams that have
 tokens to deliver (the first token at once, then whenever ``stream_interval`` tokens are unsent, and at
-the end). The model never emits EOS: every request runs to ``max_new_tokens`` (finish_reason ``length``).
+the end). A request runs to ``max_new_tokens`` (finish_reason ``length``) unless it does not ignore EOS and
+the server has an ``eos_len_dist``: then it may stop sooner (``stop``; ``loadlab.sim.eos``).
 """
 
 from __future__ import annotations
@@ -164,7 +165,11 @@ class RequestHandle:
     def _prepare(self, completion_tokens: int) -> None:
         """Encodes the step this handle will have at ``completion_tokens``, if that is a mid-stream event."""
         sent = self._sent
-        if sent and completion_tokens - sent >= self.stream_interval and completion_tokens < self.req.max_new:
+        if (
+            sent
+            and completion_tokens - sent >= self.stream_interval
+            and completion_tokens < self.req.stop_len
+        ):
             assert self._encode is not None
             self._prepared = self._encode(Step(completion_tokens - sent, completion_tokens, None, 0.0))
             self._prepared_ct = completion_tokens
@@ -308,8 +313,9 @@ class Engine:
     ) -> RequestHandle:
         """Queues a request. ``output_ids`` (the ids the request will generate, if the caller knows them)
         lets finished requests leave prompt + output in the prefix cache. ``internal`` requests (health
-        checks) bypass the queue limit and are not counted in the statistics. ``ignore_eos`` matters only
-        with the radix cache disabled (SGLang's exact-reservation admission); the model never emits EOS.
+        checks) bypass the queue limit and are not counted in the statistics. ``ignore_eos``: SGLang's
+        exact-reservation admission with the radix cache disabled; without it, the request stops at its
+        EOS when the server draws one (``eos_len_dist``).
         ``priority``: the request's (SGLang's field; used with priority scheduling). A waiting request it
         displaces from a full queue ends at once, its stream told so."""
         assert self._wake is not None and self._loop is not None, "Engine.start() was not called"

@@ -33,6 +33,11 @@ The rules follow SGLang 0.4-0.5 (``scheduler.py``, ``schedule_policy.py``, ``sch
 - Policies: fcfs, or lpm (longest cached prefix first, with SGLang's in-batch prefix deprioritisation),
   which falls back to fcfs above 128 waiting requests.
 - Radix cache disabled + ignore_eos: SGLang's exact-reservation admission (``add_one_req_ignore_eos``).
+- EOS (``eos_len_dist``, ``loadlab.sim.eos``): a request that does not ignore EOS stops at a length drawn
+  from its prompt (``stop_len``), before max_new_tokens when the draw is shorter (finish reason ``stop``).
+  Admission does not know that length in advance (SGLang cannot): a running request's reservation stays
+  min(max_new - generated, 4096) x new_token_ratio until it leaves, and what it frees when it stops early is
+  what the decayed new_token_ratio bets on.
 - Priority scheduling (``enable_priority_scheduling``; SGLang 0.5's ``schedule_policy.py`` and
   ``Scheduler.get_new_batch_prefill``): a request without a priority gets the least preferred value there
   is; under fcfs the queue is sorted by (priority, time it last entered the queue), higher values first
@@ -62,7 +67,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadlab.sim.cost import CLIP_MAX_NEW_TOKENS, CostModel, attention_pairs
+from loadlab.sim.eos import parse_eos_dist
 from loadlab.sim.radix import Node, RadixCache
+from loadlab.sim.tokenize import END_OF_TURN
 
 # SGLang's global_config defaults (python/sglang/global_config.py).
 DEFAULT_INIT_NEW_TOKEN_RATIO = 0.7
@@ -126,6 +133,7 @@ class SchedulerConfig:
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
     abort_on_priority_when_disabled: bool = False
+    eos_len_dist: str | None = None  # where the model stops (loadlab.sim.eos); None: never before max_new
     record_token_times: bool = False  # keep per-token times (virtual driver)
 
 
@@ -159,6 +167,7 @@ class Request:
         "queued_at",
         "rid",
         "state",
+        "stop_len",
         "stream_interval",
         "times",
     )
@@ -179,7 +188,8 @@ class Request:
         self.rid = rid
         self.prompt = prompt if type(prompt) is list else list(prompt)
         self.prompt_len = len(self.prompt)
-        self.max_new = max_new
+        self.max_new = max_new  # what admission reserves for (SGLang's max_new_tokens)
+        self.stop_len = max_new  # the tokens it will generate: fewer when the model stops at its EOS
         self.output_ids = output_ids
         self.ignore_eos = ignore_eos
         self.stream_interval = stream_interval
@@ -285,6 +295,7 @@ class Scheduler:
         # The default priority, for a request without one: the least preferred value (_set_or_validate_priority).
         self.default_priority = sys.maxsize if cfg.schedule_low_priority_values_first else -sys.maxsize - 1
         self.preemption_threshold = cfg.priority_scheduling_preemption_threshold
+        self.eos = parse_eos_dist(cfg.eos_len_dist) if cfg.eos_len_dist else None
         # new_token_ratio (scheduler.py)
         self.init_ratio = min(DEFAULT_INIT_NEW_TOKEN_RATIO * cfg.schedule_conservativeness, 1.0)
         self.min_ratio = min(self.init_ratio * DEFAULT_MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
@@ -421,6 +432,8 @@ class Scheduler:
         any."""
         self.check_fits(r.prompt_len, r.max_new)
         cfg = self.config
+        if self.eos is not None and not r.ignore_eos and not r.internal:
+            r.stop_len = min(r.max_new, self.eos.length(r.prompt))
         # SGLang's _set_or_validate_priority: a default when on; when off, ignored unless refused.
         if r.priority is None:
             if self.priority_on:
@@ -852,7 +865,7 @@ class Scheduler:
                 r.first_token_time = end
             if r.times is not None:
                 r.times.append(end)
-            if r.gen >= r.max_new:
+            if r.gen >= r.stop_len:
                 self._finish(r, end)
                 it.finished.append(r)
                 self.batch_is_full = False
@@ -866,7 +879,7 @@ class Scheduler:
         d = self.decode_steps
         r.state = RUNNING
         r.join_d = d
-        r.finish_d = d + r.max_new - r.gen
+        r.finish_d = d + r.stop_len - r.gen
         bucket = self._finish_at.get(r.finish_d)
         if bucket is None:
             self._finish_at[r.finish_d] = [r]
@@ -991,7 +1004,8 @@ class Scheduler:
             self.batch_is_full = False
 
     def _finish(self, r: Request, end: float) -> None:
-        """The request reached max_new_tokens: prompt + output go into the cache, its KV is released."""
+        """The request reached max_new_tokens, or its EOS: prompt + output go into the cache, its KV is
+        released."""
         cache = self.cache
         if cache is not None:
             if r.output_ids is not None:
@@ -1002,7 +1016,10 @@ class Scheduler:
         r.priv = 0
         r.state = DONE
         r.finished_time = end
-        r.finish_reason = {"type": "length", "length": r.max_new}
+        if r.stop_len < r.max_new:  # SGLang's FINISH_MATCHED_TOKEN: the model's end-of-turn token
+            r.finish_reason = {"type": "stop", "matched": END_OF_TURN}
+        else:
+            r.finish_reason = {"type": "length", "length": r.max_new}
         if not r.internal:
             self.num_requests_total += 1
             self.prompt_tokens_total += r.prompt_len

@@ -649,6 +649,7 @@ class SimServer:
             self.metrics.finished(False, handle)
         ct = step.completion_tokens
         fr = step.finish_reason["type"] if step.finish_reason else None
+        matched = step.finish_reason.get("matched") if step.finish_reason else None  # the EOS, on a stop
         text = out.text(0, ct)
         if chat:
             choice = {
@@ -661,10 +662,16 @@ class SimServer:
                 },
                 "logprobs": None,
                 "finish_reason": fr,
-                "matched_stop": None,
+                "matched_stop": matched,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr, "matched_stop": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": fr,
+                "matched_stop": matched,
+            }
         obj = {
             "id": handle.rid,
             "object": "chat.completion" if chat else "text_completion",
@@ -681,9 +688,10 @@ class SimServer:
         obj_name = "chat.completion.chunk" if chat else "text_completion"
         rid = h.rid
 
-        def chunk(field: str, value: Any, finish_reason: str | None, usage: dict | None) -> bytes:
+        def chunk(field: str, value: Any, finish_reason: str | None, usage: dict | None,
+                  matched: int | None = None) -> bytes:  # fmt: skip
             choice = {"index": 0, field: value, "logprobs": None, "finish_reason": finish_reason,
-                      "matched_stop": None}  # fmt: skip
+                      "matched_stop": matched}  # fmt: skip
             return b"data: " + _dumps({"id": rid, "object": obj_name, "created": created, "model": model,
                                        "choices": [choice], "usage": usage}) + b"\n\n"  # fmt: skip
 
@@ -695,6 +703,7 @@ class SimServer:
             text = out.text(ct - step.new_tokens, ct)
             usage = self._usage(h, ct, drop_none=False) if continuous else None
             fr = step.finish_reason["type"] if step.finish_reason is not None else None
+            matched = step.finish_reason.get("matched") if step.finish_reason is not None else None
             payload = b""
             if chat:
                 if step.new_tokens == ct:  # the first event opens with the assistant's role
@@ -702,9 +711,9 @@ class SimServer:
                 if text:
                     payload += chunk("delta", delta(text), None, usage)
                 if fr is not None:
-                    payload += chunk("delta", delta(None), fr, usage)
+                    payload += chunk("delta", delta(None), fr, usage, matched)
             else:
-                payload += chunk("text", text, fr, usage)
+                payload += chunk("text", text, fr, usage, matched)
             if fr is not None:
                 if include_usage:
                     payload += b"data: " + _dumps({"id": rid, "object": obj_name, "created": created,

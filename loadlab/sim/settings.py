@@ -26,6 +26,7 @@ from loadlab.sim.cost import (
     sglang_memory_defaults,
 )
 from loadlab.sim.engine import EngineConfig
+from loadlab.sim.eos import parse_eos_dist
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,13 @@ SETTINGS: tuple[Setting, ...] = (
         "ignoring it",
     ),
     Setting(
+        "eos_len_dist",
+        "str",
+        None,
+        "where the model stops when a request does not ignore EOS: fixed:N, uniform:LOW-HIGH or "
+        "exponential:MEAN tokens, drawn per request from its prompt (default: never before max_new_tokens)",
+    ),
+    Setting(
         "mem_fraction_static",
         "float",
         None,
@@ -188,6 +196,11 @@ def _check_value(s: Setting, value: Any) -> str | None:
             return f"no such file: {value!r}"
         if s.name == "worker_id" and not (value.isascii() and value.isprintable()):
             return f"expected printable ASCII (it is sent as an HTTP header), got {value!r}"
+        if s.name == "eos_len_dist":
+            try:
+                parse_eos_dist(value)
+            except ValueError as e:
+                return str(e)
         return None
     if s.name == "mem_fraction_static" and not 0 < value <= 1:
         return f"must be greater than 0 and at most 1, got {value!r}"
@@ -323,6 +336,7 @@ class TwinSettings:
     schedule_low_priority_values_first: bool
     priority_scheduling_preemption_threshold: int
     abort_on_priority_when_disabled: bool
+    eos_len_dist: str | None
     mem_fraction_static: float
     stream_interval: int
     enable_metrics: bool
@@ -399,6 +413,7 @@ def engine_config(settings: TwinSettings, record_token_times: bool = False) -> E
         schedule_low_priority_values_first=settings.schedule_low_priority_values_first,
         priority_scheduling_preemption_threshold=settings.priority_scheduling_preemption_threshold,
         abort_on_priority_when_disabled=settings.abort_on_priority_when_disabled,
+        eos_len_dist=settings.eos_len_dist,
         record_token_times=record_token_times,
         gpu=settings.gpu,
         model=settings.model,

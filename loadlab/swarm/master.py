@@ -144,7 +144,8 @@ class Coordinator:
         if ticket is not None and (self.drain_done or self.run is None or self.run.finalized):
             ticket = None
         if ticket is not None:  # leased even to a missing worker: lost if it stays missing, kept if it heals
-            self.leases[worker][ticket.index] = ticket.phase
+            for index in range(ticket.index, ticket.index + ticket.turns):  # a session's every turn
+                self.leases[worker][index] = ticket.phase
         TicketReply.of(request_id, ticket).send(self.runner, client_id=worker)
 
     # -- records ----------------------------------------------------------------------------------------

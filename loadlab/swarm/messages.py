@@ -114,12 +114,13 @@ class TicketReply(Message):
     index: int | None  # the request index leased; None: no ticket
     phase: str | None  # WARMUP or MEASURE (loadlab.records); None with no ticket
     due: float | None  # open loop: when to send it, epoch s on the master's clock; closed loop: None
+    turns: int = 1  # the indices leased: index, index + 1, ... (a conversation's session)
 
     @classmethod
     def of(cls, request_id: int, ticket: Ticket | None) -> TicketReply:
         if ticket is None:
             return cls(request_id, None, None, None)
-        return cls(request_id, ticket.index, ticket.phase, ticket.due)
+        return cls(request_id, ticket.index, ticket.phase, ticket.due, ticket.turns)
 
     def ticket(self, clock_offset_s: float) -> Ticket | None:
         """The leased ticket, its due time moved to the worker's clock (offset: the master's minus the
@@ -127,7 +128,7 @@ class TicketReply(Message):
         if self.index is None:
             return None
         due = None if self.due is None else self.due - clock_offset_s
-        return Ticket(self.index, self.phase, due)
+        return Ticket(self.index, self.phase, due, self.turns)
 
 
 # -- records ---------------------------------------------------------------------------------------------

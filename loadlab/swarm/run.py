@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import gevent
 import locust
 
-from loadlab.load import Tickets, arrivals_for, describe_load
+from loadlab.load import describe_load, tickets_for
 from loadlab.manifest import (
     ClientVerdict,
     Counts,
@@ -72,8 +72,7 @@ class Run:
         self.model = model
         self.workload = workload
         self.renderer = renderer
-        arrivals = arrivals_for(profile, workload)
-        self.tickets = Tickets(profile.requests.warmup, profile.requests.measured, arrivals)
+        self.tickets = tickets_for(profile, workload)
         self.dir = Path(out_root) / unique_run_name(out_root, run_name or default_run_name(profile.name))
         self.dir.mkdir(parents=True)
         self.run_id = self.dir.name

@@ -1,4 +1,5 @@
-"""The Locust user: closed loop, exactly one streaming request in flight per user."""
+"""The Locust user: closed loop, exactly one streaming request in flight per user; a conversation's user
+holds a whole session (its turns in order, each after the previous reply and the think time)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from loadlab.client.request import new_exchange, send, to_record
 from loadlab.client.stream import StreamingClient
 from loadlab.profile import auth_headers
 from loadlab.records import CANCELLED, CLIENT_ERROR, OK, WARMUP, RequestRecord
+from loadlab.workload import Dialogue
 
 CONNECT_TIMEOUT_S = 10.0
 log = logging.getLogger("loadlab")
@@ -38,7 +40,8 @@ def off_the_clock(fn, *args):
 
 
 class SGLangUser(User):
-    """Takes a request ticket, streams the request, records it, repeats; stops when tickets run out."""
+    """Takes a request ticket, streams the request (or a session's turns, one after the other), records it,
+    repeats; stops when tickets run out."""
 
     wait_time = constant(0)
 
@@ -62,31 +65,52 @@ class SGLangUser(User):
             client.close()
 
     @task
-    def one_request(self) -> None:
+    def one_ticket(self) -> None:
         run = self.run
         ticket = run.tickets.take()
         if ticket is None:
             raise StopUser()
-        index, phase, due = ticket
+        index, phase, due, turns = ticket
         if due is not None:  # open loop: send at the due time; a late send is client queueing, recorded
             wait = due - time.time()
             if wait > 0:
                 gevent_sleep(wait)
+        dialogue = Dialogue(run.api, run.renderer) if run.profile.conversation else None
+        for turn in range(turns):
+            try:
+                self.one_request(index + turn, phase, due if turn == 0 else None, dialogue)
+            except GreenletExit:
+                for rest in range(index + turn + 1, index + turns):  # the session's turns never sent
+                    run.record(self._unsent_record(rest, phase, None))
+                raise
+
+    def one_request(self, index: int, phase: str, due: float | None, dialogue: Dialogue | None) -> None:
+        """Request ``index``: a conversation's turn (``dialogue``: its session so far) waits its think time
+        after the previous reply, and is sent with the session's history."""
+        run = self.run
         spec = ex = rec = None
         try:
             with _cpu_lane:
                 idle()
                 spec = run.workload.spec(index)
+            if spec.think_time_s > 0:
+                gevent_sleep(spec.think_time_s)
+            prompt = None
+            if dialogue is not None:
+                with _cpu_lane:
+                    idle()
+                    prompt = dialogue.prompt(spec)
             ex = new_exchange()
             try:
-                send(self.client, run.api, spec, run.renderer, run.model, f"{run.rid_prefix}-{index}", ex)
+                send(self.client, run.api, spec, run.renderer, run.model, f"{run.rid_prefix}-{index}", ex,
+                     prompt)  # fmt: skip
             except GreenletExit:
                 # The run is stopping (-t ran out, Ctrl-C, Stop in the UI): keep what was received.
                 rec = self._to_record(ex, spec, phase, cancelled=True)
                 raise
             with _cpu_lane:
                 idle()
-                rec = self._to_record(ex, spec, phase)
+                rec = self._to_record(ex, spec, phase, dialogue=dialogue)
                 rec.t_scheduled_wall = due
                 self._feed_live_stats(rec)
         except GreenletExit:
@@ -101,10 +125,11 @@ class SGLangUser(User):
             # every index it handed out.
             run.record(rec if rec is not None else self._unsent_record(index, phase, spec))
 
-    def _to_record(self, ex, spec, phase: str, cancelled: bool = False):
+    def _to_record(self, ex, spec, phase: str, cancelled: bool = False, dialogue: Dialogue | None = None):
         run = self.run
         try:
-            return to_record(ex, run.api, spec, phase, run.worker_id, self.user_id, cancelled=cancelled)
+            return to_record(ex, run.api, spec, phase, run.worker_id, self.user_id, cancelled=cancelled,
+                             dialogue=dialogue)  # fmt: skip
         except Exception as e:
             log.exception("loadlab: could not decode the reply to request %d", spec.index)
             return self._error_record(spec.index, phase, spec, ex, e)
@@ -119,6 +144,7 @@ class SGLangUser(User):
             outcome=CLIENT_ERROR, error=f"loadlab failed on this request: {error!r}",
             served_by=ex.served_by if ex is not None else None,
             status_source=ex.status_source if ex is not None else None,
+            session=spec.session if spec is not None else None, turn=spec.turn if spec is not None else None,
         )  # fmt: skip
 
     def _unsent_record(self, index: int, phase: str, spec) -> RequestRecord:
@@ -128,6 +154,7 @@ class SGLangUser(User):
             t_send_wall=time.time(), input_len=spec.input_len if spec is not None else 0,
             max_new_tokens=spec.max_new_tokens if spec is not None else 0,
             outcome=CANCELLED, error="the run stopped before the request was sent",
+            session=spec.session if spec is not None else None, turn=spec.turn if spec is not None else None,
         )  # fmt: skip
 
     def _feed_live_stats(self, rec) -> None:

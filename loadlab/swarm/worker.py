@@ -196,19 +196,20 @@ class WorkerAgent:
         waiter = run.tickets.waiting.get(reply.id)
         if waiter is not None:
             waiter.set(ticket)
-        elif ticket is not None:  # the user stopped while waiting: the ticket still needs its one record
-            run.record(
-                RequestRecord(
-                    index=ticket.index,
-                    phase=ticket.phase,
-                    api=run.api,
-                    worker_id=run.worker_id,
-                    user_id=-1,
-                    t_send_wall=time.time(),
-                    outcome=CANCELLED,
-                    error="the run stopped before the request was sent",
-                )  # fmt: skip
-            )
+        elif ticket is not None:  # the user stopped while waiting: each index still needs its one record
+            for index in range(ticket.index, ticket.index + ticket.turns):
+                run.record(
+                    RequestRecord(
+                        index=index,
+                        phase=ticket.phase,
+                        api=run.api,
+                        worker_id=run.worker_id,
+                        user_id=-1,
+                        t_send_wall=time.time(),
+                        outcome=CANCELLED,
+                        error="the run stopped before the request was sent",
+                    )  # fmt: skip
+                )
 
     def _on_drain(self, _master: str, _drain: Drain) -> None:
         gevent.spawn(self._drain)

@@ -83,7 +83,8 @@ class WorkloadGenerator:
         """The request spec for ``index`` (>= 0): a pure function of (workload, seed, index)."""
         if isinstance(index, bool) or not isinstance(index, int | np.integer) or index < 0:
             raise ValueError(f"request index must be a non-negative integer (got {index!r})")
-        return self._spec(int(index))
+        spec = self._spec(int(index))
+        return spec if self.config.ignore_eos else dataclasses.replace(spec, ignore_eos=False)
 
     def specs(self, indices: Iterable[int]) -> Iterator[RequestSpec]:
         for i in indices:
@@ -374,10 +375,13 @@ _GENERATORS: dict[str, type[WorkloadGenerator]] = {
 }
 
 
-def register(*generators: type[WorkloadGenerator]) -> None:
-    """Adds workload kinds kept in modules of their own (loadlab.workload imports each of them)."""
+def register(*generators: type[WorkloadGenerator]) -> type[WorkloadGenerator]:
+    """Adds workload kinds defined in modules of their own (they import this one, so this one cannot import
+    them; ``loadlab.workload`` imports every such module, so the kinds are known wherever a workload is
+    built). Returns the first, so it also serves as a class decorator."""
     for g in generators:
         _GENERATORS[g.kind] = g
+    return generators[0]
 
 
 def quotas(shares: list[float], n: int) -> list[int]:

@@ -17,6 +17,14 @@ class RequestSpec:
     priority: int | None = None
     class_header: str | None = None
     model: str | None = None
+    ignore_eos: bool = True  # SGLang's sampling parameter: False lets the model stop before max_new_tokens
+    # A conversation's turn (loadlab.workload.conversation): input_ids are the turn's own new tokens (the
+    # session's system prompt, the first system_len of them, then the user message); the prompt sent is the
+    # session's history followed by them. None / 0 for any other request.
+    session: int | None = None
+    turn: int | None = None  # 1 for a session's first turn
+    system_len: int = 0
+    think_time_s: float = 0.0  # sent this long after the previous turn's reply ended
     # A prompt replayed from a file (the dataset kind), sent as the file has it: its text (/generate's text,
     # /v1/completions' prompt, a chat user message) or chat messages ((role, content) pairs). input_ids are
     # then its tokens as counted (docs/workloads.md). raw_ids: input_ids are the target's token ids, sent as
