@@ -10,6 +10,35 @@ from loadlab.experiment.aggregate import COLUMNS, KNEE_GAIN
 from loadlab.experiment.spec import SweepSpec, is_number, label
 
 
+def render_csv(spec: SweepSpec, result: dict[str, Any]) -> str:
+    """sweep.csv, for the spreadsheet the seed's team kept its sweep in: a row per configuration, sweep.md's
+    table with numbers instead of text: each axis, then each column's median, min and max over the repeats
+    (empty where the runs have none), the repeats finished, whether it meets the SLO (every class too), why
+    not, and whether it is the SLO-first choice."""
+    import csv
+    import io
+
+    rejected = {r["config"]: "; ".join(r["reasons"]) for r in result["rejected"]}
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    axis_names = list(spec.axes)
+    header = list(axis_names)
+    for column, *_ in COLUMNS:
+        header += [column, f"{column} min", f"{column} max"]
+    writer.writerow([*header, "repeats", "meets SLO", "rejected because", "chosen"])
+    for row in result["rows"]:
+        name = label(row["config"])
+        cells: list[Any] = [row["config"][a] for a in axis_names]
+        for column, *_ in COLUMNS:
+            v = row["values"][column]
+            cells += ["" if v[k] is None else v[k] for k in ("median", "min", "max")]
+        ran = row["repeats"] > 0 or name in rejected
+        cells += [row["repeats"], (name not in rejected) if ran else "", rejected.get(name, ""),
+                  name == result["choice"]]  # fmt: skip
+        writer.writerow(cells)
+    return out.getvalue()
+
+
 def render_md(spec: SweepSpec, result: dict[str, Any], complete: bool) -> str:
     """sweep.md; ``complete``: False says the table holds an interrupted sweep's finished runs."""
     lines = [f"# loadlab sweep: {spec.name}", ""]

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loadlab import exits
 from loadlab.experiment.aggregate import aggregate, refine_configs
-from loadlab.experiment.render import render_html, render_md
+from loadlab.experiment.render import render_csv, render_html, render_md
 from loadlab.experiment.spec import SweepError, SweepSpec, label, run_sets
 from loadlab.procs import free_port
 from loadlab.target.launch import LaunchedServer
@@ -35,6 +35,7 @@ from loadlab.target.probe import TargetError
 
 SWEEP_STATE = "sweep.json"
 SWEEP_MD = "sweep.md"
+SWEEP_CSV = "sweep.csv"  # sweep.md's table as numbers, for a spreadsheet
 SWEEP_HTML = "sweep.html"
 # sweep.json's layout. 0: written before the layout had a version (the same keys as 1, without version).
 STATE_VERSION = 1
@@ -162,6 +163,7 @@ class Sweep:
         complete = not self.interrupted and len(state.runs) == total
         result = aggregate(self.spec, configs, state.runs, state.failed)
         (self.out / SWEEP_MD).write_text(render_md(self.spec, result, complete=complete))
+        (self.out / SWEEP_CSV).write_text(render_csv(self.spec, result))
         (self.out / SWEEP_HTML).write_text(render_html(self.spec, result))
         state.result = result
         self._save()
