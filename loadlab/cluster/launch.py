@@ -160,6 +160,8 @@ class Cluster:
                 "--worker-urls", *urls, "--policy", self.config.front.policy,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                 "--log-level", "warn"]  # fmt: skip
+        if self.config.front.poll_interval_s:  # its /get_load polls (power_of_two) and startup checks
+            argv += ["--worker-startup-check-interval", f"{self.config.front.poll_interval_s:.0f}"]
         # The router's output goes to stderr (stdout carries only the ready line).
         self.front_proc = spawn(argv, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL,
                                 env={**os.environ, "NO_COLOR": "1"})  # fmt: skip
