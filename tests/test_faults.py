@@ -299,7 +299,7 @@ def _router_metrics_url(root: int, front_url: str) -> str:
 
 @pytest.mark.parametrize("kind, policy", [("router", "round_robin"), ("omni", "least_queue")])
 def test_a_worker_killed_mid_run(tmp_path, kind, policy):
-    measured = 300  # ~20 s at 12 in flight on three A100 twins (64 tokens in ~0.75 s each)
+    measured = 180  # ~12 s at 12 in flight on three A100 twins (64 tokens in ~0.75 s each)
     proc, stderr = _start_run(tmp_path, kind, policy, measured)
     watch = None
     try:
@@ -431,10 +431,10 @@ def test_the_launcher_serves_on_when_a_worker_dies_and_stops_when_the_front_does
 
 
 def test_every_worker_killed_the_run_goes_on_and_the_routers_own_errors_are_front_failures(tmp_path):
-    measured = 240
+    measured = 160
     proc, stderr = _start_run(tmp_path, "router", "round_robin", measured)
     try:
-        run_dir = _wait_for_records(proc, tmp_path, WARMUP + measured // 4)
+        run_dir = _wait_for_records(proc, tmp_path, WARMUP + measured // 8)  # early: most requests come after
         from loadlab.manifest import read_manifest
 
         workers = [w.url for w in read_manifest(run_dir).target.cluster.workers]
