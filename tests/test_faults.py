@@ -407,7 +407,13 @@ def test_the_launcher_serves_on_when_a_worker_dies_and_stops_when_the_front_does
         urls = [w["url"] for w in ready["workers"]]
         children = {p.pid for p in _descendants(cluster.proc.pid)}
         os.kill(_listening_pid(cluster.proc.pid, int(urls[0].rsplit(":", 1)[1])), signal.SIGKILL)
-        time.sleep(1.5)  # the launcher checks its children every 0.2 s
+        deadline = time.monotonic() + 10  # the launcher checks its children every 0.2 s and logs the death
+        while (
+            not any("was killed by SIGKILL" in line for line in cluster.stderr)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        time.sleep(0.5)  # a few more checks after it logged
         assert cluster.proc.poll() is None  # still serving
         served = Counter(  # through the router, by the two left (it retries what it sends to the dead one)
             _generate(ready["front"], f"after the death {i}")["meta_info"]["completion_tokens"]
