@@ -26,6 +26,7 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 # Failure injection on a real cluster sharing 2 cores with everything else: one rerun on a miss. (Once, in
 # a full-suite run under load, a cluster produced no records within 60 s; the logs now come with the error.)
 CLUSTER_RERUN = pytest.mark.flaky(reruns=1)
+MASTER_LOST_S = 4  # the killed-master test's workers' --master-lost-s
 
 PROFILE = """\
 name: dist
@@ -54,19 +55,21 @@ def start_master(tmp_path: Path, profile: Path, port: int, workers: int = 2) -> 
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def start_worker(tmp_path: Path, port: int, out: str, n: int) -> subprocess.Popen:
+def start_worker(tmp_path: Path, port: int, out: str, n: int, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--worker", "--master-host", "127.0.0.1",
-           "--master-port", str(port), "--out", str(tmp_path / out)]  # fmt: skip
+           "--master-port", str(port), "--out", str(tmp_path / out), *extra]  # fmt: skip
     return subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=open(tmp_path / f"worker{n}.log", "wb"),  # noqa: SIM115
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def start_cluster(tmp_path: Path, measured: int, worker_out: str) -> tuple[subprocess.Popen, list]:
+def start_cluster(
+    tmp_path: Path, measured: int, worker_out: str, *worker_extra: str
+) -> tuple[subprocess.Popen, list]:
     """A master and 2 workers on a 64-token-output profile (4 warm-up requests)."""
     profile = write_profile(tmp_path, warmup=4, measured=measured, output_len=64)
     port = free_port()
     master = start_master(tmp_path, profile, port)
-    return master, [start_worker(tmp_path, port, worker_out, n) for n in range(2)]
+    return master, [start_worker(tmp_path, port, worker_out, n, *worker_extra) for n in range(2)]
 
 
 def wait_for_records(path: Path, at_least: int, procs: list[subprocess.Popen], timeout: float = 60) -> None:
@@ -165,7 +168,9 @@ def test_a_killed_worker_costs_only_its_requests_in_flight(tmp_path):
 
 @CLUSTER_RERUN
 def test_a_killed_master_stops_workers_and_spills_recover_every_record(tmp_path):
-    master, workers = start_cluster(tmp_path, measured=400, worker_out="out")  # same --out: spills in the run
+    # Same --out: spills in the run. The workers give up on a silent master after 4 s (the default is 10).
+    lost = ("--master-lost-s", str(MASTER_LOST_S))
+    master, workers = start_cluster(tmp_path, 400, "out", *lost)
     try:
         run = tmp_path / "out" / "run"
         wait_for_records(run / "records.jsonl", 30, [master, *workers])
@@ -179,7 +184,9 @@ def test_a_killed_master_stops_workers_and_spills_recover_every_record(tmp_path)
         for p in [master, *workers]:
             if p.poll() is None:
                 p.kill()
-    assert stopped_after < 25, logs(tmp_path)  # MASTER_LOST_S (10 s) + heartbeats + shutdown
+    # --master-lost-s (4 s; the last heartbeat up to 1 s before the kill) + the 1 s check + shutdown; the
+    # default 10 s would be 9 s at least.
+    assert stopped_after < MASTER_LOST_S + 5, logs(tmp_path)
     assert all(w.returncode == 1 for w in workers), logs(tmp_path)
     spilled = {}
     for path in (run / SPILL_DIR).glob("*.jsonl"):
