@@ -50,7 +50,7 @@ class ClusterInfo(_Model):
     front_settings: dict[str, Any] | None = Field(
         None,
         description="the front's knobs as resolved from the file (omni: orientation, policy, poll_interval_s, "
-        "queue_size, switch with auto expanded, switch_after_waiting; router: policy); null without a front",
+        "queue_size, switch with auto expanded, switch_after_waiting; router: policy, and poll_interval_s when set); null without a front",
     )
     overrides: dict[str, Any] | None = Field(
         None, description="settings laid over the file (target.cluster_overrides), dotted; null: none"

@@ -608,8 +608,8 @@ class _RoundRobin(_Front):
 
 
 class _PowerOfTwo(_Front):
-    """Two random workers, the one with fewer requests wins (the router polls /get_load every 5 s and
-    falls back to its own counts; here the workers' live counts)."""
+    """Two random workers, the one with fewer requests wins (the router polls /get_load, by default every
+    30 s, and falls back to its own counts; here the workers' live counts)."""
 
     def __init__(self, workers, seed):
         super().__init__(workers, seed)
