@@ -346,9 +346,18 @@ def _cmd_validate(args) -> int:
             config = load_target_cluster(profile.target)
             for warning in check_classes(profile, path, config, profile.target.cluster):
                 print(f"loadlab: warning: {warning}", file=sys.stderr)
+        from loadlab.workload import build_workload  # numpy, and a dataset or trace read: only here
+
+        source = build_workload(profile).source_info()  # a dataset's or trace's file is read and checked
         on = f", on cluster {profile.target.cluster}" if profile.target.cluster else ""
         classes = f", {len(profile.classes)} classes" if profile.classes else ""
-        print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests{classes}{on})")
+        read = ""
+        if source is not None:
+            left = "".join(f", {n} {why}" for why, n in source.get("filtered", {}).items())
+            read = (
+                f", {source['entries']} of {source['entries_read']} {source['format']} prompts usable{left}"
+            )
+        print(f"{path}: ok ({profile.workload.kind}, {profile.total_requests} requests{classes}{on}{read})")
     return exits.OK
 
 
@@ -361,6 +370,7 @@ VIRTUAL_OPTIONS = (
     "concurrency",
     "rate",
     "arrival",
+    "speed",
     "num_requests",
     "warmup_requests",
     "cluster",
@@ -401,9 +411,10 @@ def sim_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         "--concurrency", type=positive(int), default=None, help="closed loop: requests held in flight"
     )
     load.add_argument("--rate", type=positive(float), default=None, help="open loop: requests per second")
-    v.add_argument(
-        "--arrival", choices=("poisson", "constant"), default=None, help="open-loop arrival process"
-    )
+    v.add_argument("--arrival", choices=("poisson", "constant", "trace"), default=None,
+                   help="open-loop arrival process (trace: a trace workload's own times)")  # fmt: skip
+    v.add_argument("--speed", type=positive(float), default=None,
+                   help="trace arrivals: replay this many times faster than the trace")  # fmt: skip
     v.add_argument("--cluster", metavar="CLUSTER", default=None,
                    help="a cluster file: its workers behind its front, on the virtual clock (default: the "
                    "profile's target.cluster; the flags above then apply to every worker)")  # fmt: skip
@@ -475,6 +486,11 @@ def _cmd_sim_virtual(args: argparse.Namespace, argv: list[str]) -> int:
         overrides.update({"load.model": "open", "load.rate": args.rate, "load.concurrency": None})
     if args.arrival is not None:
         overrides["load.arrival"] = args.arrival
+        if args.arrival == "trace":  # an open loop at the trace's times: no rate, no cap unless given
+            overrides.update({"load.model": "open", "load.rate": None})
+            overrides.setdefault("load.concurrency", None)
+    if args.speed is not None:
+        overrides["load.speed"] = args.speed
     if args.num_requests is not None:
         overrides["requests.measured"] = args.num_requests
     if args.warmup_requests is not None:

@@ -22,7 +22,7 @@ from gevent.event import Event
 from loadlab.manifest import LoadDescription
 from loadlab.profile import Profile
 from loadlab.records import MEASURE, WARMUP
-from loadlab.sim.clock import quantize
+from loadlab.sim.clock import TICK, quantize
 
 
 class Ticket(NamedTuple):
@@ -50,7 +50,7 @@ class Arrivals:
     def restart(self) -> None:
         self.start = None
 
-    def due(self, now: float) -> float:
+    def due(self, now: float, index: int) -> float:
         if self.start is None:
             self.start, self.offset = now, 0.0
         due = self.start + self.offset
@@ -59,16 +59,50 @@ class Arrivals:
         return due
 
 
-def arrivals_for(profile: Profile) -> Arrivals | None:
-    """The profile's arrival generator (open loop), or None (closed loop)."""
+class TraceArrivals:
+    """A trace's own due times: request ``index`` at its time in the trace (seconds from the trace's first
+    line) divided by ``speed``, counted from the phase's first request, which is due when the phase starts
+    (warm-up at the first ticket, measured when the barrier opens). Offsets are put on the virtual clock's
+    grid one by one, so they are exact and the same whatever the clock."""
+
+    def __init__(self, times_s: list[float], speed: float):
+        self.times = times_s
+        self.speed = speed
+        self.start: float | None = None
+        self.first = 0.0
+
+    def restart(self) -> None:
+        self.start = None
+
+    def due(self, now: float, index: int) -> float:
+        t = self.times[index]
+        if self.start is None:
+            self.start, self.first = now, t
+        return self.start + round((t - self.first) / self.speed / TICK) * TICK
+
+
+def arrivals_for(profile: Profile, workload=None) -> Arrivals | TraceArrivals | None:
+    """The profile's arrival generator (open loop), or None (closed loop). Trace arrivals take their times
+    from the workload (a trace's ``arrival_times_s()``)."""
     load = profile.load
-    return Arrivals(load.rate, load.arrival, profile.seed) if load.model == "open" else None
+    if load.model != "open":
+        return None
+    if load.arrival == "trace":
+        times = workload.arrival_times_s() if workload is not None else None
+        if times is None or len(times) < profile.total_requests:
+            have = "no trace" if times is None else f"a trace of {len(times)} requests"
+            raise ValueError(
+                f"trace arrivals for {profile.total_requests} requests need as many lines: {have}"
+            )
+        return TraceArrivals(times, load.speed)
+    return Arrivals(load.rate, load.arrival, profile.seed)
 
 
-def tickets_for(profile: Profile) -> Tickets:
-    """The profile's tickets: its request counts, its arrivals, its sessions."""
+def tickets_for(profile: Profile, workload=None) -> Tickets:
+    """The profile's tickets: its request counts, its arrivals (a trace's from ``workload``), its
+    sessions."""
     requests = profile.requests
-    return Tickets(requests.warmup, requests.measured, arrivals_for(profile), profile.session_turns)
+    return Tickets(requests.warmup, requests.measured, arrivals_for(profile, workload), profile.session_turns)
 
 
 class Tickets:
@@ -81,7 +115,9 @@ class Tickets:
     lease handler), ``take_ready(now)`` never blocks (the virtual-time run: None while the barrier is
     closed, or when every ticket is out; ``exhausted`` tells which)."""
 
-    def __init__(self, warmup: int, measured: int, arrivals: Arrivals | None = None, turns: int = 1):
+    def __init__(
+        self, warmup: int, measured: int, arrivals: Arrivals | TraceArrivals | None = None, turns: int = 1
+    ):
         self.arrivals = arrivals
         self.warmup = warmup
         self.total = warmup + measured
@@ -117,7 +153,7 @@ class Tickets:
         index = self.next_index
         if index < self.warmup:
             n = self._take_turns(index, self.warmup)
-            return Ticket(index, WARMUP, self._due(now), n)
+            return Ticket(index, WARMUP, self._due(now, index), n)
         if not self.warmup_done.is_set():
             return None
         n = self._take_turns(index, self.total)
@@ -127,7 +163,7 @@ class Tickets:
                 self.arrivals.restart()  # measured arrivals start when the barrier opens
             if self.on_measure_start is not None:
                 self.on_measure_start()
-        return Ticket(index, MEASURE, self._due(now), n)
+        return Ticket(index, MEASURE, self._due(now, index), n)
 
     def _take_turns(self, index: int, phase_end: int) -> int:
         """Hands out the indices from ``index`` to the end of its session (never past its phase's end)."""
@@ -135,10 +171,10 @@ class Tickets:
         self.next_index += n
         return n
 
-    def _due(self, now: float) -> float | None:
+    def _due(self, now: float, index: int) -> float | None:
         if self.arrivals is None:
             return None
-        due = self.arrivals.due(now)
+        due = self.arrivals.due(now, index)
         self.dues.append(due)
         return due
 
@@ -185,11 +221,15 @@ def describe_load(profile: Profile, users: int) -> LoadDescription:
         else f"at most {users}{sessions} in flight"
     )
     per = "sessions/s" if turns > 1 else "req/s"
+    trace = load.arrival == "trace"
+    pace = (f"at the trace's own times{f' x{load.speed:g} speed' if load.speed != 1 else ''}" if trace
+            else f"{load.rate:g} {per} ({load.arrival})")  # fmt: skip
     return LoadDescription(
         model="open",
         rate=load.rate,
         arrival=load.arrival,
+        speed=load.speed if trace else None,
         concurrency=None if uncapped else users,
         users=users,
-        description=f"open loop, {load.rate:g} {per} ({load.arrival}), {cap}",
+        description=f"open loop, {pace}, {cap}",
     )

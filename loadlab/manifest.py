@@ -50,7 +50,7 @@ class ClusterInfo(_Model):
     front_settings: dict[str, Any] | None = Field(
         None,
         description="the front's knobs as resolved from the file (omni: orientation, policy, poll_interval_s, "
-        "queue_size, switch with auto expanded, switch_after_waiting; router: policy); null without a front",
+        "queue_size, switch with auto expanded, switch_after_waiting; router: policy, and poll_interval_s when set); null without a front",
     )
     overrides: dict[str, Any] | None = Field(
         None, description="settings laid over the file (target.cluster_overrides), dotted; null: none"
@@ -78,9 +78,28 @@ class LoadDescription(_Model):
         None, description="closed loop: requests in flight; open loop: the cap (null: no cap)"
     )
     rate: float | None = Field(None, description="open loop: requests per second")
-    arrival: Literal["poisson", "constant"] | None = Field(None, description="open loop: arrival process")
+    arrival: Literal["poisson", "constant", "trace"] | None = Field(
+        None, description="open loop: arrival process (trace: the trace workload's own times)"
+    )
+    speed: float | None = Field(None, description="trace arrivals: how many times faster than the trace")
     users: int | None = Field(None, description="open loop: Locust users (one request in flight each)")
     description: str = Field(description="the load in words, as the report states it")
+
+
+class WorkloadSource(_Model):
+    path: str = Field(description="the file the workload replays (`workload.path`)")
+    format: Literal["jsonl", "sharegpt", "mooncake"] = Field(description="how it was read")
+    entries_read: int = Field(description="prompts (or trace lines) read from it, before the filter")
+    entries: int = Field(description="those the requests are drawn from, after the filter")
+    filtered: dict[str, int] = Field(default_factory=dict, description="left out, by reason")
+    lengths: str = Field(description="how prompt and output lengths were counted (exact, or an estimate)")
+    trace_span_s: float | None = Field(None, description="trace: first to last timestamp, seconds")
+    repeated_block_share: float | None = Field(
+        None, description="trace: share of prompt blocks whose hash-id prefix an earlier line already had"
+    )
+    repeated_token_share: float | None = Field(
+        None, description="trace: share of prompt tokens in those blocks"
+    )
 
 
 class Counts(_Model):
@@ -173,6 +192,9 @@ class Manifest(_Model):
     target: TargetInfo = Field(description="what the run was aimed at")
     model: str | None = Field(None, description="the model name sent (OpenAI APIs)")
     load: LoadDescription = Field(description="the load applied")
+    workload_source: WorkloadSource | None = Field(
+        None, description="a workload replayed from a file (dataset, trace); null for generated ones"
+    )
     started_wall: float = Field(description="epoch seconds the run started")
     ended_wall: float | None = Field(None, description="epoch seconds the run ended (null while it runs)")
     complete: bool = Field(False, description="every measured request ended")

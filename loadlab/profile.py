@@ -152,7 +152,11 @@ class LoadConfig(_Strict):
     model: Literal["closed", "open"] = "closed"
     concurrency: PositiveInt | None = 8
     rate: float | None = Field(None, gt=0, description="open loop: requests per second")
-    arrival: Literal["poisson", "constant"] = "poisson"
+    # trace: each request at its own timestamp in a `trace` workload's file (no rate), divided by `speed`.
+    arrival: Literal["poisson", "constant", "trace"] = "poisson"
+    speed: float = Field(
+        1.0, gt=0, description="arrival: trace: replay this many times faster than the trace"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -164,6 +168,14 @@ class LoadConfig(_Strict):
 
     @model_validator(mode="after")
     def _model_fields(self):
+        if self.arrival == "trace":
+            if self.model != "open":
+                raise ValueError("arrival: trace is an open-loop arrival process: set model: open")
+            if self.rate is not None:
+                raise ValueError("arrival: trace sends at the trace's own times: drop rate (use speed)")
+            return self
+        if self.speed != 1.0:
+            raise ValueError("speed applies to arrival: trace only")
         if self.model == "open" and self.rate is None:
             raise ValueError("an open-loop load needs rate (requests per second)")
         if self.model == "closed" and self.concurrency is None:
@@ -278,10 +290,82 @@ class ConversationWorkloadConfig(_WorkloadBase):
         return self
 
 
+class DatasetWorkloadConfig(_WorkloadBase):
+    """Prompts replayed from a local file (loadlab/workload/datasets.py)."""
+
+    kind: Literal["dataset"]
+    path: str = Field(description="a JSONL file of prompts or a ShareGPT JSON file (relative to the profile)")
+    format: Literal["auto", "jsonl", "sharegpt"] = "auto"  # auto: a file starting with [ is ShareGPT
+    turns: Literal["first", "every"] = "first"  # ShareGPT: each conversation's first turn, or every turn
+    sample: Literal["sequential", "without_replacement", "with_replacement"] = "sequential"
+    output_len: PositiveInt | None = Field(None, description="every request's output length, not the file's")
+    # The length filter, in tokens as counted (docs/workloads.md): entries outside it are left out.
+    min_input_len: PositiveInt = 1
+    max_input_len: PositiveInt | None = None
+    max_output_len: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _filter(self):
+        if not self.path:
+            raise ValueError("path: the dataset file, e.g. data/prompts.jsonl")
+        if self.max_input_len is not None and self.max_input_len < self.min_input_len:
+            raise ValueError(
+                f"max_input_len {self.max_input_len} is below min_input_len {self.min_input_len}"
+            )
+        return self
+
+
+class TraceWorkloadConfig(_WorkloadBase):
+    """A Mooncake-style trace replayed with synthesised prompts (loadlab/workload/trace.py)."""
+
+    kind: Literal["trace"]
+    path: str = Field(description="a Mooncake-style JSONL trace (relative to the profile)")
+    block_size: PositiveInt = Field(512, description="prompt tokens per hash id")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, path: str) -> str:
+        if not path:
+            raise ValueError("the trace file, e.g. data/trace.jsonl")
+        return path
+
+
+RangeRatio = Annotated[float, Field(ge=0, le=1)]
+
+
+class RandomWorkloadConfig(_WorkloadBase):
+    """bench_serving's random and random-ids datasets, under its option names (loadlab/workload/bench_serving.py)."""
+
+    kind: Literal["random", "random-ids"]
+    random_input_len: PositiveInt = 1024
+    random_output_len: PositiveInt = 1024
+    random_range_ratio: RangeRatio = 0.0  # lengths uniform from max(1, int(L x ratio)) to L
+
+
+class GeneratedSharedPrefixWorkloadConfig(_WorkloadBase):
+    """bench_serving's generated-shared-prefix dataset, under its option names."""
+
+    kind: Literal["generated-shared-prefix"]
+    gsp_num_groups: PositiveInt = 64
+    gsp_prompts_per_group: PositiveInt = 16
+    gsp_system_prompt_len: PositiveInt = 2048
+    gsp_question_len: PositiveInt = 128
+    gsp_output_len: PositiveInt = 256
+    gsp_range_ratio: RangeRatio = 1.0  # newer bench_serving: each length uniform from max(1, int(L x r)) to L
+
+
 WorkloadConfig = Annotated[
-    RagWorkloadConfig | SharedPrefixWorkloadConfig | RandomPrefixWorkloadConfig | ConversationWorkloadConfig,
+    RagWorkloadConfig
+    | SharedPrefixWorkloadConfig
+    | RandomPrefixWorkloadConfig
+    | ConversationWorkloadConfig
+    | DatasetWorkloadConfig
+    | TraceWorkloadConfig
+    | RandomWorkloadConfig
+    | GeneratedSharedPrefixWorkloadConfig,
     Field(discriminator="kind"),
 ]
+FILE_KINDS = ("dataset", "trace")  # the kinds that read a file from `path`
 
 
 # Custom request headers the real router (sglang-router) forwards to its workers: only these (and a few fixed
@@ -400,6 +484,18 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
         for key in ("cluster", "api_key_file"):
             if isinstance(target.get(key), str) and target[key]:
                 target[key] = os.path.abspath(path.parent / target[key])
+    workloads = [data.get("workload")]
+    if isinstance(data.get("classes"), list):
+        workloads += [c.get("workload") for c in data["classes"] if isinstance(c, dict)]
+    for w in workloads:
+        if (
+            isinstance(w, dict)
+            and w.get("kind") in FILE_KINDS
+            and isinstance(w.get("path"), str)
+            and w["path"]
+        ):
+            # A workload's file is relative to the profile file too.
+            w["path"] = os.path.abspath(path.parent / Path(w["path"]).expanduser())
     kind = data.get("workload", {}).get("kind") if isinstance(data.get("workload"), dict) else None
     for key, value in (overrides or {}).items():
         if kind == "shared_prefix" and key == "workload.input_len":
@@ -412,6 +508,12 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
                 f"{label}: --input-len: a conversation workload has no input_len (each turn's prompt holds the "
                 "earlier turns); use --set workload.user_len=N or --set workload.system_prompt_len=N"
             )
+        if key in _LENGTH_KEYS.get(kind, {}):
+            named = _LENGTH_KEYS[kind][key]
+            if named is None:
+                raise ProfileError(f"{label}: --{key.split('.')[1].replace('_', '-')}: a {kind} workload "
+                                   f"takes its lengths from {_LENGTH_SOURCE[kind]}")  # fmt: skip
+            key = named
         if kind in ("random_prefix", "conversation") and key in ("workload.input_len", "workload.output_len"):
             data["workload"].pop(key.split(".")[1] + "_range", None)  # a fixed length replaces a range
         if key == "target.url" and value != EMBEDDED and isinstance(data.get("target"), dict):
@@ -422,7 +524,29 @@ def load_profile(path: str | Path, overrides: dict[str, Any] | None = None) -> P
     return validate_profile(data, label, lines)
 
 
-WORKLOAD_KINDS = ("rag", "shared_prefix", "random_prefix", "conversation")
+# --input-len / --output-len on kinds whose lengths have other names (bench_serving's), or come from a file
+# (None: refused).
+_RANDOM_LENGTHS = {
+    "workload.input_len": "workload.random_input_len",
+    "workload.output_len": "workload.random_output_len",
+}
+_LENGTH_KEYS: dict[str | None, dict[str, str | None]] = {
+    "random": _RANDOM_LENGTHS,
+    "random-ids": _RANDOM_LENGTHS,
+    "generated-shared-prefix": {"workload.input_len": None, "workload.output_len": "workload.gsp_output_len"},
+    "dataset": {"workload.input_len": None},
+    "trace": {"workload.input_len": None, "workload.output_len": None},
+}
+_LENGTH_SOURCE = {
+    "generated-shared-prefix": "gsp_system_prompt_len + gsp_question_len (--set workload.gsp_question_len=N)",
+    "dataset": "its file (filter them with --set workload.max_input_len=N)",
+    "trace": "its file's input_length and output_length",
+}
+
+WORKLOAD_KINDS = (
+    "rag", "shared_prefix", "random_prefix", "conversation", "dataset", "trace", "random", "random-ids",
+    "generated-shared-prefix",
+)  # fmt: skip
 
 
 def validate_profile(data: dict[str, Any], label: str = "<profile>", lines: Lines | None = None) -> Profile:
@@ -447,7 +571,34 @@ def validate_profile(data: dict[str, Any], label: str = "<profile>", lines: Line
         _check_classes(profile, label, lines)
     if profile.session_turns > 1:
         _check_sessions(profile, label, lines)
+    _check_files_and_arrivals(profile, label, lines)
     return profile
+
+
+def _check_files_and_arrivals(profile: Profile, label: str, lines: Lines) -> None:
+    """Every workload's file exists; trace arrivals have a trace to take their times from."""
+
+    def fail(loc: list[str], problem: str) -> None:
+        raise ProfileError(f"{where(label, lines, loc)}: {'.'.join(loc)}: {problem}")
+
+    places = [(["workload"], profile.workload)]
+    places += [(["classes", str(i), "workload"], c.workload) for i, c in enumerate(profile.classes or [])]
+    for loc, w in places:
+        if w is not None and w.kind in FILE_KINDS:
+            p = Path(w.path)
+            if not p.is_file():
+                fail(
+                    [*loc, "path"],
+                    f"cannot read {w.path!r}: {'not a file' if p.exists() else 'no such file'}",
+                )
+    if profile.load.arrival == "trace":
+        if profile.workload.kind != "trace":
+            fail(
+                ["load", "arrival"],
+                f"trace arrivals need a trace workload (kind: trace), not {profile.workload.kind}",
+            )
+        if profile.classes:
+            fail(["load", "arrival"], "trace arrivals replay one trace in its order: not with classes")
 
 
 def _check_sessions(profile: Profile, label: str, lines: Lines) -> None:

@@ -82,7 +82,7 @@ from loadlab.sim.cost import cost_model
 from loadlab.sim.radix import RadixCache
 from loadlab.sim.scheduler import DONE, Request, RequestTooLargeError, Scheduler, UnavailableError
 from loadlab.sim.settings import TwinSettings, engine_config, resolve_settings
-from loadlab.workload import Dialogue, build_workload, get_renderer
+from loadlab.workload import Dialogue, build_workload, get_renderer, workload_source
 
 WORKER_ID = "virtual"
 
@@ -133,8 +133,16 @@ class _Specs:
         s = self._cache.get(index)
         if s is None:
             spec = self.workload.spec(index)
-            s = self._cache[index] = _Spec(spec, self.renderer.token_ids(spec.input_ids))
+            s = self._cache[index] = _Spec(spec, self._native_ids(spec))
         return s
+
+    def _native_ids(self, spec) -> list[int]:
+        """The ids the twin sees over HTTP: a replayed prompt's own (the target's token ids, or its text as the
+        twin tokenizes it: ``spec.input_ids`` as counted), a generated prompt's word ids rendered as the native
+        API sends them."""
+        if spec.raw_ids or spec.text is not None or spec.messages is not None:
+            return list(spec.input_ids)
+        return self.renderer.token_ids(spec.input_ids)
 
     def raw(self, index: int):
         """``workload.spec(index)`` itself (kept)."""
@@ -155,8 +163,10 @@ _SPECS: dict[str, _Specs] = {}
 def _specs_for(profile: Profile) -> _Specs:
     # Everything build_workload reads: the classes too (their shares, workloads and carry: two profiles with
     # the same workload but other classes must not share specs).
+    # The prompts are rendered by the target's tokenizer; a dataset's prompts also depend on the tokenizer
+    # that counts them and the API they are sent on.
     key = json.dumps([profile.model_dump(mode="json", include={"seed", "workload", "classes", "requests"}),
-                      profile.target.tokenizer], sort_keys=True)  # fmt: skip
+                      profile.target.tokenizer, profile.target.api], sort_keys=True)  # fmt: skip
     specs = _SPECS.get(key)
     if specs is None:
         while len(_SPECS) >= 4:
@@ -215,7 +225,7 @@ class VirtualRun:
         self.open_loop = load.model == "open"
         self.cap = load.concurrency  # None: an open loop without a cap
         # The real run's tickets and arrivals, on the virtual clock: the same indices, phases and due times.
-        self.tickets = tickets_for(profile)
+        self.tickets = tickets_for(profile, self.specs.workload)  # a trace's arrivals come from its workload
         self.records: list[RequestRecord] = []
         self.outcomes: dict[str, int] = {}
         self.queue_delays_ms: list[float] = []
@@ -598,8 +608,8 @@ class _RoundRobin(_Front):
 
 
 class _PowerOfTwo(_Front):
-    """Two random workers, the one with fewer requests wins (the router polls /get_load every 5 s and
-    falls back to its own counts; here the workers' live counts)."""
+    """Two random workers, the one with fewer requests wins (the router polls /get_load, by default every
+    30 s, and falls back to its own counts; here the workers' live counts)."""
 
     def __init__(self, workers, seed):
         super().__init__(workers, seed)
@@ -804,6 +814,7 @@ def run_virtual(
         model=settings.served_model_name,
         # One "user" per request in flight: the cap, or every request when there is none.
         load=describe_load(profile, profile.load.concurrency or requests.warmup + requests.measured),
+        workload_source=workload_source(_specs_for(profile).workload),
         virtual=True,
         sim=shown,
         started_wall=epoch,

@@ -208,6 +208,11 @@ def test_a_capacity_search_in_virtual_time_resumes_after_ctrl_c_and_chooses_the_
     md = (whole / "sweep.md").read_text()
     assert "| 8 | **" in md and f"passes {sum(large['lo_runs'])}/2 at {large['lo']:g} req/s" in md
     assert "SLO-first choice (the highest capacity at SLO" in md
+    import csv
+
+    table = list(csv.DictReader((whole / "sweep.csv").open()))
+    assert [float(r["capacity at SLO (req/s)"]) for r in table] == [small["capacity"], large["capacity"]]
+    assert table[1]["confidence"] == large["confidence"] and table[1]["chosen"] == "True"
     # Repeat r ran with seed + r: not a copy of the first run.
     lo_runs = state["points"]["1"][f"{large['lo']:g}"]
     seeds = [json.loads((Path(d) / "manifest.json").read_text())["profile"]["seed"] for d in lo_runs]

@@ -2,13 +2,18 @@
 
 The scripted server picks its behaviour from the URL (``/case/<name>``), and cases joined by ``+`` take
 turns, one request each, so one run per API covers several cases; the server's log says which case each
-request got (joined on server_id; HTTP errors carry no id, their status tells them apart). Every run
-must record every request exactly once, with the right outcome, and complete with exit status 0.
+request got (joined on server_id; HTTP errors carry no id, their status tells them apart, and so does the
+plain-JSON reply). Every run must record every request exactly once, with the right outcome, and complete
+with exit status 0.
 
-* failures (stream error event, abort, drop, stall with idle_timeout_s=1, a non-JSON data line) and HTTP
-  400/503: one run per API each, all started together (their timing is not checked);
-* OpenAI streams without usage: ok, but tokens_per_event_exact false;
-* a run cut short by -t: `cancelled` records for the requests in flight, a partial manifest, exit 1;
+* one mixed run per API, the three started together (their timing is not checked), with
+  idle_timeout_s=1: the failures (stream error event, abort, drop, stall, a non-JSON data line, an
+  unexpected event shape), HTTP 400/503, a 200 reply that is not an event stream (generate, chat), OpenAI
+  streams without usage (ok, but tokens_per_event_exact false) and, on generate, the attribution headers
+  (a worker's, a front's own 429, none); every request is one of the mix's cases, each case as often as
+  the mix says;
+* a run cut short by -t (started with them): `cancelled` records for the requests in flight, a partial
+  manifest, exit 1;
 * ok cases (plain, split inside a UTF-8 character, CRLF, SSE comments, 4 tokens per event): one run
   per API, one run at a time after the others, with exact tokens and TTFT / ITL within 2 ms of the
   server's write times at P95.
@@ -61,31 +66,42 @@ def _options(api: str, n: int, *extra: str) -> list[str]:
     return ["--api", api, "--num-requests", str(n), "--output-len", str(OUTPUT_LEN), *extra]
 
 
+# Each API's mixed run: its cases, each PER_CASE times.
+MIXES = {
+    "generate": FAILURE_MIX + HTTP_MIX + ("notsse",) + ATTRIBUTION_MIX,
+    "completions": FAILURE_MIX + HTTP_MIX + ("nousage",),
+    "chat": FAILURE_MIX + HTTP_MIX + ("notsse", "nousage"),
+}
+# The cases whose reply carries no server id the log knows, by HTTP status.
+NO_ID = {400: "http_400", 503: "http_503", 429: "front_429", 200: "notsse"}
+
+
 @pytest.fixture(scope="module")
 def runs(scripted_server, tmp_path_factory):
-    """Starts every failure run at once and waits for all of them."""
+    """Starts every mixed run and the -t run at once and waits for all of them."""
     out = tmp_path_factory.mktemp("failure-runs")
     url = scripted_server.case_url
     jobs = {}
-    for api in APIS:
-        n_fail = PER_CASE * len(FAILURE_MIX)
-        opts = _options(api, n_fail, "--set", "target.idle_timeout_s=1")
-        jobs[f"failures-{api}"] = loadlab_run_argv(PROFILE, url(_mix(FAILURE_MIX, api)), out / api, *opts)
-        opts = _options(api, PER_CASE * len(HTTP_MIX))
-        jobs[f"http-{api}"] = loadlab_run_argv(PROFILE, url(_mix(HTTP_MIX, api)), out / f"http-{api}", *opts)
-    for api in ("completions", "chat"):
-        opts = _options(api, 4)
-        jobs[f"nousage-{api}"] = loadlab_run_argv(PROFILE, url("nousage"), out / f"nousage-{api}", *opts)
-    for api in ("generate", "chat"):
-        jobs[f"notsse-{api}"] = loadlab_run_argv(
-            PROFILE, url("notsse"), out / f"notsse-{api}", *_options(api, 2)
-        )
-    jobs["attribution"] = loadlab_run_argv(
-        PROFILE, url("+".join(ATTRIBUTION_MIX)), out / "attribution", *_options("generate", 3 * PER_CASE)
-    )
+    for api, cases in MIXES.items():
+        opts = _options(api, PER_CASE * len(cases), "--set", "target.idle_timeout_s=1")
+        jobs[api] = loadlab_run_argv(PROFILE, url(_mix(cases, api)), out / api, *opts)
     opts = ["--api", "generate", *CANCEL_OPTIONS]
     jobs["cancel"] = loadlab_run_argv(PROFILE, url("normal"), out / "cancel", *opts)
     return run_loadlab_many(jobs, timeout_s=150)
+
+
+def _mixed(runs, scripted_server, api):
+    """An API's mixed run: its records, each with the case it got (``case``), and the server's log; every
+    request is one of the mix's cases, each case PER_CASE times."""
+    cases = MIXES[api]
+    df = _checked_records(runs[api], PER_CASE * len(cases))
+    assert (df.api == api).all()
+    assert df.server_id.dropna().is_unique
+    log = scripted_server.log_entries()
+    df["case"] = [log[sid]["case"] if sid in log else NO_ID.get(status)
+                  for sid, status in zip(df.server_id, df.http_status, strict=True)]  # fmt: skip
+    assert sorted(df.case, key=str) == sorted(cases * PER_CASE), df[["index", "case", "outcome", "error"]]
+    return df, log
 
 
 def _checked_records(run, expected_count):
@@ -104,20 +120,18 @@ def _checked_records(run, expected_count):
 
 @pytest.mark.parametrize("api", APIS)
 def test_stream_failures(runs, scripted_server, api):
-    df = _checked_records(runs[f"failures-{api}"], PER_CASE * len(FAILURE_MIX))
-    assert (df.api == api).all()
-    log = scripted_server.log_entries()
-    assert df.server_id.is_unique
-    cases = [log[sid]["case"] if sid in log else None for sid in df.server_id]
-    assert sorted(cases) == sorted(FAILURE_MIX * PER_CASE), cases
-    for rec, case in zip(df.itertuples(), cases, strict=True):
-        assert rec.outcome == EXPECTED[case], (case, rec.outcome, rec.error)
-        CHECKS[rec.outcome](rec, case, api, log)
+    df, log = _mixed(runs, scripted_server, api)
+    df = df[df.case.isin(FAILURE_MIX)]
+    assert sorted(df.case) == sorted(FAILURE_MIX * PER_CASE)
+    for rec in df.itertuples():
+        assert rec.outcome == EXPECTED[rec.case], (rec.case, rec.outcome, rec.error)
+        CHECKS[rec.outcome](rec, rec.case, api, log)
 
 
 @pytest.mark.parametrize("api", APIS)
 def test_http_errors(runs, scripted_server, api):
-    df = _checked_records(runs[f"http-{api}"], PER_CASE * len(HTTP_MIX))
+    df, _ = _mixed(runs, scripted_server, api)
+    df = df[df.case.isin(HTTP_MIX)]
     assert (df.outcome == "http_error").all(), df[["index", "outcome", "error"]].to_string()
     assert sorted(df.http_status) == sorted([400, 503] * PER_CASE)
     for rec in df.itertuples():
@@ -125,8 +139,10 @@ def test_http_errors(runs, scripted_server, api):
 
 
 @pytest.mark.parametrize("api", ["generate", "chat"])
-def test_reply_that_is_not_an_event_stream(runs, api):
-    df = _checked_records(runs[f"notsse-{api}"], 2)
+def test_reply_that_is_not_an_event_stream(runs, scripted_server, api):
+    df, _ = _mixed(runs, scripted_server, api)
+    df = df[df.case == "notsse"]
+    assert len(df) == PER_CASE
     assert (df.outcome == "protocol_error").all(), df[["index", "outcome", "error"]].to_string()
     assert df.error.str.contains("text/event-stream").all()
     assert (df.http_status == 200).all()
@@ -134,9 +150,10 @@ def test_reply_that_is_not_an_event_stream(runs, api):
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_openai_stream_without_usage(runs, scripted_server, api):
-    df = _checked_records(runs[f"nousage-{api}"], 4)
+    df, log = _mixed(runs, scripted_server, api)
+    df = df[df.case == "nousage"]
+    assert len(df) == PER_CASE
     assert (df.outcome == "ok").all(), df[["index", "outcome", "error"]].to_string()
-    log = scripted_server.log_entries()
     for rec in df.itertuples():
         _ok(rec, "nousage", api, log)
 
@@ -248,15 +265,13 @@ CHECKS = {
 def test_attribution_headers_become_served_by_and_status_source(runs, scripted_server):
     """A worker's header names the server (the first value when sent twice; it outranks a front's), a
     front's own answer is the front's, and a server that sends neither leaves both null."""
-    df = _checked_records(runs["attribution"], 3 * PER_CASE)
-    log = scripted_server.log_entries()
-    seen = set()
+    df, _ = _mixed(runs, scripted_server, "generate")
+    df = df[df.case.isin(ATTRIBUTION_MIX)]
+    assert sorted(df.case) == sorted(ATTRIBUTION_MIX * PER_CASE)
     for rec in df.itertuples():
-        case = log[rec.server_id]["case"] if rec.server_id in log else "front_429"  # a 429 has no server id
-        seen.add(case)
-        if case == "worker":
+        if rec.case == "worker":
             assert (rec.outcome, rec.served_by, rec.status_source) == ("ok", "scripted-worker-1", "worker")
-        elif case == "front_429":
+        elif rec.case == "front_429":
             assert (rec.outcome, rec.http_status) == ("rejected", 429), (
                 rec
             )  # refused for load, its own outcome
@@ -264,7 +279,6 @@ def test_attribution_headers_become_served_by_and_status_source(runs, scripted_s
             assert "too many requests" in rec.error
         else:
             assert rec.outcome == "ok" and pd.isna(rec.served_by) and pd.isna(rec.status_source)
-    assert seen == set(ATTRIBUTION_MIX)
 
 
 def test_run_time_limit_cancels_in_flight_requests(runs):

@@ -60,6 +60,9 @@ def test_defaults(tmp_path):
     config = load_cluster(write(tmp_path, "districts:\n  - name: a\n", "my-cluster.yaml"))
     assert config.name == "my-cluster" and config.front.kind == "router"
     assert config.front.policy == "cache_aware" and config.total_workers == 1
+    assert config.front.poll_interval_s is None and config.front_settings() == {"policy": "cache_aware"}
+    polled = load_cluster(write(tmp_path, "districts:\n  - name: a\nfront:\n  poll_interval_s: 2\n"))
+    assert polled.front_settings() == {"policy": "cache_aware", "poll_interval_s": 2}
     omni = load_cluster(write(tmp_path, "districts:\n  - name: a\nfront:\n  kind: omni\n"))
     assert (omni.front.policy, omni.front.poll_interval_s, omni.front.queue_size) == (
         "least_queue",
@@ -107,6 +110,10 @@ BAD = {
                                 ["front.policy", "router: expected one of cache_aware, round_robin, power_of_two"]),
     "policy without a front": (GOOD.replace("kind: router", "kind: none"), 10, ["front.policy", "no policy"]),
     "omni option on the router": (GOOD + "  queue_size: 8\n", 11, ["front.queue_size", "only for kind: omni"]),
+    "router poll not whole seconds": (GOOD + "  poll_interval_s: 0.5\n", 11,
+                                      ["front.poll_interval_s", "router: whole seconds", "got 0.5"]),
+    "poll without a front": (GOOD.replace("kind: router\n  policy: round_robin", "kind: none\n  poll_interval_s: 1"),
+                             10, ["front.poll_interval_s", "polls nothing"]),
     "zero workers per process": (GOOD + "workers_per_process: 0\n", 11, ["workers_per_process", "greater than 0"]),
     "duplicate key": (GOOD.replace("    workers: 2", "    workers: 2\n    workers: 3"), 5,
                       ["districts.0.workers", "duplicate key (first at line 4)"]),
@@ -391,18 +398,21 @@ def test_a_cluster_without_a_front(tmp_path):
 
 
 def test_power_of_two_through_the_real_router_polls_the_workers_get_load(tmp_path):
-    # sglang-router's power_of_two takes its load signal from each worker's GET /get_load (every 5 s);
-    # the twins count the polls they answer (/server_info loadlab_get_load_polls).
-    cluster = LaunchedCluster(write(tmp_path, GOOD.replace("policy: round_robin", "policy: power_of_two")))
+    # sglang-router's power_of_two takes its load signal from each worker's GET /get_load, every
+    # front.poll_interval_s (its --worker-startup-check-interval; the router's default is 30 s); the twins
+    # count the polls they answer (/server_info loadlab_get_load_polls). At 1 s, two polls of each worker
+    # come within seconds (at the default the second would take a minute).
+    text = GOOD.replace("policy: round_robin", "policy: power_of_two\n  poll_interval_s: 1")
+    cluster = LaunchedCluster(write(tmp_path, text))
     try:
         urls = [w["url"] for w in cluster.ready["workers"]]
-        deadline, polls = time.monotonic() + 30, [0] * len(urls)
-        while min(polls) < 1 and time.monotonic() < deadline:
-            time.sleep(1)
+        deadline, polls = time.monotonic() + 20, [0] * len(urls)
+        while min(polls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.25)
             for i, url in enumerate(urls):
                 with urllib.request.urlopen(url + "/server_info", timeout=10) as resp:
                     polls[i] = json.load(resp)["loadlab_get_load_polls"]
-        assert min(polls) >= 1, (polls, "".join(cluster.stderr)[-2000:])
+        assert min(polls) >= 2, (polls, "".join(cluster.stderr)[-2000:])
         assert _generate(cluster.ready["front"], "hello power of two")["meta_info"]["completion_tokens"] == 4
     finally:
         cluster.kill()

@@ -14,7 +14,9 @@ runs each as a local process on 127.0.0.1:
 - depends_on is honoured in order: `service_healthy` runs the service's healthcheck command until it passes.
 
 Then the run must be complete: the master exits 0, the run directory holds one ok record per request the
-profile asks for, both workers sent some, and the report is written.
+profile asks for (its warm-up, and the LOADLAB_NUM_REQUESTS=16 measured requests the test's shell sets: a
+short run, and the variable's way through compose to the master checked), both workers sent some, and the
+report is written.
 
 The same with compose profile `cluster` on (`LOCUST_HOST=http://cluster:30000 docker compose --profile cluster
 up`): the `cluster` service (`loadlab cluster`: twins on loopback behind sglang-router or omni) is started
@@ -43,8 +45,9 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
 
-# What `docker compose up` would read from the shell: a headless run with a fixed run directory name.
-TEST_VARS = {"LOCUST_HEADLESS": "true", "LOADLAB_RUN_NAME": "run"}
+# What `docker compose up` would read from the shell: a headless run with a fixed run directory name, and
+# 16 measured requests (the profile's 48 take seconds more and show nothing more).
+TEST_VARS = {"LOCUST_HEADLESS": "true", "LOADLAB_RUN_NAME": "run", "LOADLAB_NUM_REQUESTS": "16"}
 # ... and with the cluster profile on: the master aims at the cluster's front.
 CLUSTER_VARS = {**TEST_VARS, "LOCUST_HOST": "http://cluster:30000"}
 # Local processes bind the master's port on loopback only (in a container it listens on all interfaces).
@@ -376,8 +379,10 @@ def run_headless(stack: LocalCompose) -> Path:
 def check_complete_run(stack: LocalCompose, run: Path, replicas: int, target_url: str) -> tuple[list, dict]:
     """The run is complete: exactly one ok record per request of the profile, from every worker, against
     `target_url`, with its report written. Returns the records and the summary."""
-    profile_path = REPO / stack.env("master")["LOADLAB_PROFILE_FILE"]
-    requests = yaml.safe_load(profile_path.read_text())["requests"]
+    env = stack.env("master")
+    requests = yaml.safe_load((REPO / env["LOADLAB_PROFILE_FILE"]).read_text())["requests"]
+    if env.get("LOADLAB_NUM_REQUESTS"):  # passed through from the shell: --num-requests
+        requests["measured"] = int(env["LOADLAB_NUM_REQUESTS"])
     total = requests["warmup"] + requests["measured"]
     rows = read_jsonl_records(run / "records.jsonl")
     assert sorted(r["index"] for r in rows) == list(range(total)), stack.logs()  # exactly every request once

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 # Failure injection on a real cluster sharing 2 cores with everything else: one rerun on a miss. (Once, in
 # a full-suite run under load, a cluster produced no records within 60 s; the logs now come with the error.)
 CLUSTER_RERUN = pytest.mark.flaky(reruns=1)
+MASTER_LOST_S = 4  # the killed-master test's workers' --master-lost-s
 
 PROFILE = """\
 name: dist
@@ -53,29 +55,39 @@ def start_master(tmp_path: Path, profile: Path, port: int, workers: int = 2) -> 
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def start_worker(tmp_path: Path, port: int, out: str, n: int) -> subprocess.Popen:
+def start_worker(tmp_path: Path, port: int, out: str, n: int, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--worker", "--master-host", "127.0.0.1",
-           "--master-port", str(port), "--out", str(tmp_path / out)]  # fmt: skip
+           "--master-port", str(port), "--out", str(tmp_path / out), *extra]  # fmt: skip
     return subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=open(tmp_path / f"worker{n}.log", "wb"),  # noqa: SIM115
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def start_cluster(tmp_path: Path, measured: int, worker_out: str) -> tuple[subprocess.Popen, list]:
+def start_cluster(
+    tmp_path: Path, measured: int, worker_out: str, *worker_extra: str
+) -> tuple[subprocess.Popen, list]:
     """A master and 2 workers on a 64-token-output profile (4 warm-up requests)."""
     profile = write_profile(tmp_path, warmup=4, measured=measured, output_len=64)
     port = free_port()
     master = start_master(tmp_path, profile, port)
-    return master, [start_worker(tmp_path, port, worker_out, n) for n in range(2)]
+    return master, [start_worker(tmp_path, port, worker_out, n, *worker_extra) for n in range(2)]
 
 
-def wait_for_records(path: Path, at_least: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and len(read_jsonl_records(path)) >= at_least:
-            return
-        time.sleep(0.1)
+def wait_for_records(path: Path, at_least: int, procs: list[subprocess.Popen], timeout: float = 60) -> None:
+    """Waits until ``path`` holds ``at_least`` records; fails at once, with the logs, when a process of the
+    cluster (master, workers) has exited instead (a cluster that cannot run never writes them)."""
     tmp_path = path.parents[2]  # <tmp>/out/run/records.jsonl
-    raise AssertionError(f"fewer than {at_least} records in {path} after {timeout} s\n{logs(tmp_path)}")
+    deadline = time.monotonic() + timeout
+    count = 0
+    while time.monotonic() < deadline:
+        count = len(read_jsonl_records(path)) if path.exists() else 0
+        if count >= at_least:
+            return
+        exited = [f"{'master' if '--master' in p.args else 'worker'} {p.pid}: exit {p.returncode}"
+                  for p in procs if p.poll() is not None]  # fmt: skip
+        if exited:
+            raise AssertionError(f"{exited} with {count} records in {path}\n{logs(tmp_path)}")
+        time.sleep(0.1)
+    raise AssertionError(f"{count} records (of {at_least}) in {path} after {timeout} s\n{logs(tmp_path)}")
 
 
 def logs(tmp_path: Path) -> str:
@@ -120,7 +132,7 @@ def test_a_killed_worker_costs_only_its_requests_in_flight(tmp_path):
     master, workers = start_cluster(tmp_path, measured=160, worker_out="worker-out")
     try:
         records = tmp_path / "out" / "run" / "records.jsonl"
-        wait_for_records(records, 40)
+        wait_for_records(records, 40, [master, *workers])
         victim = workers[0]
         victim.send_signal(signal.SIGKILL)
         victim.wait(5)
@@ -156,10 +168,12 @@ def test_a_killed_worker_costs_only_its_requests_in_flight(tmp_path):
 
 @CLUSTER_RERUN
 def test_a_killed_master_stops_workers_and_spills_recover_every_record(tmp_path):
-    master, workers = start_cluster(tmp_path, measured=400, worker_out="out")  # same --out: spills in the run
+    # Same --out: spills in the run. The workers give up on a silent master after 4 s (the default is 10).
+    lost = ("--master-lost-s", str(MASTER_LOST_S))
+    master, workers = start_cluster(tmp_path, 400, "out", *lost)
     try:
         run = tmp_path / "out" / "run"
-        wait_for_records(run / "records.jsonl", 30)
+        wait_for_records(run / "records.jsonl", 30, [master, *workers])
         master.send_signal(signal.SIGKILL)
         master.wait(5)
         t_kill = time.monotonic()
@@ -170,7 +184,9 @@ def test_a_killed_master_stops_workers_and_spills_recover_every_record(tmp_path)
         for p in [master, *workers]:
             if p.poll() is None:
                 p.kill()
-    assert stopped_after < 25, logs(tmp_path)  # MASTER_LOST_S (10 s) + heartbeats + shutdown
+    # --master-lost-s (4 s; the last heartbeat up to 1 s before the kill) + the 1 s check + shutdown; the
+    # default 10 s would be 9 s at least.
+    assert stopped_after < MASTER_LOST_S + 5, logs(tmp_path)
     assert all(w.returncode == 1 for w in workers), logs(tmp_path)
     spilled = {}
     for path in (run / SPILL_DIR).glob("*.jsonl"):
@@ -214,17 +230,31 @@ def test_a_worker_that_cannot_reach_the_target_fails_the_run_loudly(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--master", "--headless", "--expect-workers",
            "1", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port), "--profile-file",
-           str(profile), "--host", url, "--out", str(tmp_path / "out"), "--run-name", "run"]  # fmt: skip
+           str(profile), "--host", url, "--out", str(tmp_path / "out"), "--run-name", "run",
+           "--loglevel", "DEBUG"]  # fmt: skip
     master = subprocess.Popen(
         cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    lines: list[str] = []
+    waiting = threading.Event()  # Locust's "Waiting for workers" (DEBUG for its first 5 s): init is over
+
+    def read() -> None:
+        for line in master.stdout:
+            lines.append(line)
+            if "Waiting for workers to be ready" in line:
+                waiting.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     worker = None
     try:
-        time.sleep(4)  # the master has probed the target and waits for its worker
+        # The master has probed the target and waits for its worker.
+        assert waiting.wait(60), "".join(lines)[-3000:]
         server.stop()
         worker = start_worker(tmp_path, port, "out", 0)
         status = master.wait(60)
-        output = master.stdout.read()
+        reader.join(10)
+        output = "".join(lines)
     finally:
         for p in (master, worker):
             if p is not None and p.poll() is None:
@@ -232,8 +262,8 @@ def test_a_worker_that_cannot_reach_the_target_fails_the_run_loudly(tmp_path):
         server.stop()
     assert status == 3, output[-3000:]
     assert f"cannot reach {url}" in output or "cannot reach" in output, output[-3000:]
-    lines = [line for line in output.splitlines() if "loadlab: worker" in line and "ERROR" in line]
-    assert lines, output[-3000:]
+    errors = [line for line in output.splitlines() if "loadlab: worker" in line and "ERROR" in line]
+    assert errors, output[-3000:]
 
 
 @CLUSTER_RERUN
@@ -241,7 +271,7 @@ def test_ctrl_c_on_the_master_collects_every_workers_in_flight_requests(tmp_path
     master, workers = start_cluster(tmp_path, measured=400, worker_out="worker-out")
     try:
         run = tmp_path / "out" / "run"
-        wait_for_records(run / "records.jsonl", 30)
+        wait_for_records(run / "records.jsonl", 30, [master, *workers])
         time.sleep(0.3)  # mid-wave: requests are in flight on both workers
         master.send_signal(signal.SIGINT)
         assert master.wait(60) == 1, logs(tmp_path)  # cut short

@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_loadlab_many
 
 from loadlab.manifest import read_manifest
 from loadlab.records import load_records
 
 REPO = Path(__file__).resolve().parents[1]
+LOADLAB = [sys.executable, "-m", "loadlab.cli"]
 
 
 def loadlab_run(tmp_path, *args, timeout=180):
@@ -82,19 +84,36 @@ def test_main_command_writes_a_report(tmp_path):
     assert f"complete: {measured} measured, {measured} completed" in block[1]
 
 
-@pytest.mark.parametrize("api", ["generate", "completions", "chat"])
-def test_shared_prefix_hits_the_cache_and_random_prefix_does_not(tmp_path, api):
-    common = ["--api", api, "--concurrency", "8", "--warmup-requests", "8", "--num-requests", "24"]
-    shared_dir, _ = loadlab_run(
-        tmp_path,
-        "profiles/shared-system-prompt.yaml",
-        *common,
-        "--output-len",
-        "16",
-        "--set",
-        "workload.num_groups=4",  # the warm-up touches every group first
-    )
-    random_dir, _ = loadlab_run(tmp_path, "profiles/random-prefix.yaml", *common, "--output-len", "16")
+APIS = ("generate", "completions", "chat")
+COMMON = ["--concurrency", "8", "--warmup-requests", "8", "--num-requests", "24", "--output-len", "16"]
+RAG = ["--concurrency", "8", "--warmup-requests", "4", "--num-requests", "16", "--output-len", "12"]
+
+
+@pytest.fixture(scope="module")
+def api_runs(tmp_path_factory):
+    """The per-API runs below, all started at once (each its own `loadlab run` and embedded twin; nothing
+    they assert depends on timing): for each API, a shared-prefix run, a random-prefix run and a RAG run."""
+    out = tmp_path_factory.mktemp("api-runs")
+    jobs = {}
+    for api in APIS:
+        groups = ["--set", "workload.num_groups=4"]  # the warm-up touches every group first
+        jobs[("shared", api)] = ["profiles/shared-system-prompt.yaml", "--api", api, *COMMON, *groups]
+        jobs[("random", api)] = ["profiles/random-prefix.yaml", "--api", api, *COMMON]
+        jobs[("rag", api)] = ["profiles/rag.yaml", "--api", api, *RAG]
+    argvs = {key: [*LOADLAB, "run", *args, "--out", str(out / "-".join(key))] for key, args in jobs.items()}
+    return run_loadlab_many(argvs, timeout_s=300)
+
+
+def run_dir_of(runs, kind: str, api: str) -> Path:
+    run = runs[(kind, api)]
+    assert run.returncode == 0, run.explain()
+    assert run.run_dir.parent.name == f"{kind}-{api}", run.explain()
+    return run.run_dir
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_shared_prefix_hits_the_cache_and_random_prefix_does_not(api_runs, api):
+    shared_dir, random_dir = run_dir_of(api_runs, "shared", api), run_dir_of(api_runs, "random", api)
     shared = json.loads((shared_dir / "summary.json").read_text())
     rand = json.loads((random_dir / "summary.json").read_text())
     assert shared["completed"] == 24 and rand["completed"] == 24
@@ -106,22 +125,9 @@ def test_shared_prefix_hits_the_cache_and_random_prefix_does_not(tmp_path, api):
     assert records.server_id.notna().all()
 
 
-@pytest.mark.parametrize("api", ["generate", "completions", "chat"])
-def test_rag_profile_runs_on_every_api(tmp_path, api):
-    run_dir, _ = loadlab_run(
-        tmp_path,
-        "profiles/rag.yaml",
-        "--api",
-        api,
-        "--concurrency",
-        "8",
-        "--warmup-requests",
-        "4",
-        "--num-requests",
-        "16",
-        "--output-len",
-        "12",
-    )
+@pytest.mark.parametrize("api", APIS)
+def test_rag_profile_runs_on_every_api(api_runs, api):
+    run_dir = run_dir_of(api_runs, "rag", api)
     records = load_records(run_dir)
     assert len(records) == 20 and (records.outcome == "ok").all()
     measure = records[records.phase == "measure"]

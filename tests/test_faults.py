@@ -299,7 +299,7 @@ def _router_metrics_url(root: int, front_url: str) -> str:
 
 @pytest.mark.parametrize("kind, policy", [("router", "round_robin"), ("omni", "least_queue")])
 def test_a_worker_killed_mid_run(tmp_path, kind, policy):
-    measured = 300  # ~20 s at 12 in flight on three A100 twins (64 tokens in ~0.75 s each)
+    measured = 180  # ~12 s at 12 in flight on three A100 twins (64 tokens in ~0.75 s each)
     proc, stderr = _start_run(tmp_path, kind, policy, measured)
     watch = None
     try:
@@ -407,7 +407,13 @@ def test_the_launcher_serves_on_when_a_worker_dies_and_stops_when_the_front_does
         urls = [w["url"] for w in ready["workers"]]
         children = {p.pid for p in _descendants(cluster.proc.pid)}
         os.kill(_listening_pid(cluster.proc.pid, int(urls[0].rsplit(":", 1)[1])), signal.SIGKILL)
-        time.sleep(1.5)  # the launcher checks its children every 0.2 s
+        deadline = time.monotonic() + 10  # the launcher checks its children every 0.2 s and logs the death
+        while (
+            not any("was killed by SIGKILL" in line for line in cluster.stderr)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        time.sleep(0.5)  # a few more checks after it logged
         assert cluster.proc.poll() is None  # still serving
         served = Counter(  # through the router, by the two left (it retries what it sends to the dead one)
             _generate(ready["front"], f"after the death {i}")["meta_info"]["completion_tokens"]
@@ -431,10 +437,10 @@ def test_the_launcher_serves_on_when_a_worker_dies_and_stops_when_the_front_does
 
 
 def test_every_worker_killed_the_run_goes_on_and_the_routers_own_errors_are_front_failures(tmp_path):
-    measured = 240
+    measured = 160
     proc, stderr = _start_run(tmp_path, "router", "round_robin", measured)
     try:
-        run_dir = _wait_for_records(proc, tmp_path, WARMUP + measured // 4)
+        run_dir = _wait_for_records(proc, tmp_path, WARMUP + measured // 8)  # early: most requests come after
         from loadlab.manifest import read_manifest
 
         workers = [w.url for w in read_manifest(run_dir).target.cluster.workers]

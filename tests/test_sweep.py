@@ -272,6 +272,24 @@ def test_a_configuration_whose_server_fails_is_reported_and_the_sweep_goes_on(tm
     assert result["rejected"][0]["config"] == "max_running_requests=-1"
     assert "failed: the server exited with status 2; see" in result["rejected"][0]["reasons"][0]
     assert "rejected max_running_requests=-1: failed: the server exited" in (out / "sweep.md").read_text()
+    # sweep.csv: sweep.md's table as numbers, for a spreadsheet (docs/experiments.md, "sweep.csv").
+    import pandas as pd
+
+    from loadlab.experiment.aggregate import COLUMNS
+
+    csv = pd.read_csv(out / "sweep.csv")
+    expected = ["max_running_requests"] + [f"{c}{s}" for c, *_ in COLUMNS for s in ("", " min", " max")]
+    assert list(csv.columns) == [*expected, "repeats", "meets SLO", "rejected because", "chosen"]
+    rows = {r["config"]["max_running_requests"]: r for r in result["rows"]}
+    by_limit = csv.set_index("max_running_requests")
+    assert list(by_limit.index) == [-1, 8] and list(by_limit["chosen"]) == [False, True]
+    assert by_limit.loc[8, "meets SLO"] == True and by_limit.loc[-1, "meets SLO"] == False  # noqa: E712
+    assert by_limit.loc[-1, "rejected because"].startswith("failed: the server exited with status 2")
+    for column, *_ in COLUMNS:
+        want = rows[8]["values"][column]["median"]
+        got = by_limit.loc[8, column]
+        assert (pd.isna(got) and want is None) or got == pytest.approx(want), column
+    assert by_limit.loc[8, "repeats"] == 1
 
 
 def test_the_choice_keeps_the_smaller_configuration_when_throughputs_tie():

@@ -139,7 +139,7 @@ def test_cli_virtual(tmp_path):
     assert proc.returncode == 0, proc.stderr
     m = read_manifest(Path(proc.stdout.strip().splitlines()[-1]))
     assert m.load.model_dump() == {"model": "open", "concurrency": None, "rate": 50.0, "arrival": "poisson", "users": 12,
-                         "description": "open loop, 50 req/s (poisson), no cap on requests in flight"}  # fmt: skip
+                                   "speed": None, "description": "open loop, 50 req/s (poisson), no cap on requests in flight"}  # fmt: skip
     for bad in (["--virtual", str(tmp_path / "missing.yaml")], ["--rate", "3"], ["--virtual", str(path), "--rate", "0"],
                 ["--virtual", str(path), "--model", "llama-3.1-70b", "--tp-size", "1"]):  # fmt: skip
         proc = subprocess.run([sys.executable, "-m", "loadlab.cli", "sim", *bad, "--out", str(out)], cwd=REPO,

@@ -214,6 +214,7 @@ class _FromManifest:
     load_kind: str | None = None  # "closed" or "open"; None without a manifest
     profile: dict[str, Any] | None = None  # the resolved profile: the workload behind the expected cache hits
     virtual_peak_usage: float | None = None  # a virtual run's peak KV usage (it has no /metrics)
+    prompt_lengths: str | None = None  # a file's workload: how its lengths were counted
 
 
 def _from_manifest(manifest: Manifest | None) -> _FromManifest:
@@ -247,6 +248,7 @@ def _from_manifest(manifest: Manifest | None) -> _FromManifest:
         load_kind=load.model,
         profile=profile,
         virtual_peak_usage=getattr(manifest.virtual_stats, "peak_token_usage_measured", None),
+        prompt_lengths=getattr(manifest.workload_source, "lengths", None),
     )
 
 
@@ -451,6 +453,7 @@ def compute_summary(
         "api": run.api,
         "server_version": run.server_version,
         "load_model": run.load_model,
+        "prompt_lengths": run.prompt_lengths,
         "max_concurrency": run.max_concurrency,
         "request_rate": run.request_rate,
         "complete": run.complete,

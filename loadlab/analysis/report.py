@@ -400,6 +400,7 @@ def render_markdown(s: Summary) -> str:
         target += f", SGLang {s.server_version}"
     lines += [
         f"- Load model: {s.load_model}",
+        *([f"- Prompt lengths: {s.prompt_lengths}"] if s.prompt_lengths else []),
         f"- Target: {target}",
         f"- Warm-up requests (excluded): {s.warmup_requests}",
         f"- Measured requests: {s.measured_requests}"

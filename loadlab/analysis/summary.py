@@ -38,13 +38,15 @@ from pydantic import (
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_VERSION = 5  # 2: workers and unattributed_requests (per-worker attribution); 3: classes; 4: goodput,
-# the overload verdict, findings and the expected cached-token ratio; 5: a conversation's sessions and turns
+# the overload verdict, findings and the expected cached-token ratio; 5: a conversation's sessions and turns,
+# a file workload's prompt_lengths
 SUMMARY_SCHEMA = "loadlab.summary/5"  # kept beside version, which came later; bumped with it
 # Older versions this one reads: each added fields only, so an old file reads with their defaults.
 READS_VERSIONS = (1, 2, 3, 4, 5)
 # Version 3 added classes, workers[].unreachable_from, unreachable_after_s, reachable_again_from, front_failed
 # and front_failures; version 4 goodput_limits, good_requests, goodput_ratio, request_goodput, output_goodput
-# (top level and classes[]), overload, expected_cached_token_ratio and findings; version 5 sessions and turns.
+# (top level and classes[]), overload, expected_cached_token_ratio and findings; version 5 sessions, turns and
+# prompt_lengths.
 # Each has a default (null or empty), so older summaries read; `loadlab report RUN_DIR` computes the new
 # figures from the records.
 
@@ -488,6 +490,9 @@ class Summary(_FlatLatency, _Goodput):
     api: str | None = Field(description="The API the requests used: generate, completions or chat.")
     server_version: str | None = Field(description="The target's /server_info version at the start.")
     load_model: str = Field(description="The configured load in words, e.g. 'closed loop, 32 in flight'.")
+    prompt_lengths: str | None = Field(
+        None, description="A file's workload: how its lengths were counted (manifest workload_source)."
+    )
     max_concurrency: int | None = Field(description="The configured cap on requests in flight.")
     request_rate: float | None = Field(description="The configured open-loop rate (req/s).")
     complete: bool | None = Field(description="The manifest's complete flag; null when it has none.")

@@ -397,6 +397,9 @@ def reusable_prefix(profile: dict[str, Any] | None, indices: np.ndarray) -> np.n
     # Only what the requests are made of: the target and load sections (a cluster's front URL in place of
     # "embedded", say) are no business of the prompts and need not validate.
     prompts = {key: profile[key] for key in ("seed", "workload", "requests", "classes") if key in profile}
+    target = profile.get("target")
+    if isinstance(target, dict):  # a dataset's prompts are counted with the tokenizer, for the API
+        prompts["target"] = {key: target[key] for key in ("tokenizer", "api") if key in target}
     top = int(finite.max())
     try:
         shared = build_workload(validate_profile(prompts)).reusable_prefix(range(top + 1)).astype(float)

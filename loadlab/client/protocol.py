@@ -22,8 +22,19 @@ def build_body(api: str, spec, renderer, model: str | None, rid: str, prompt=Non
     ``model`` in place of the run's. ``prompt``: a conversation turn's (``loadlab.workload.Prompt``: the
     session's history and the turn), in place of the spec's own tokens."""
     if api == "generate":
+        # A conversation turn goes as its session's ids; a replayed prompt as its token ids when they are the
+        # target's (counted by its tokenizer), else as its text, which the server tokenizes itself; a
+        # generated prompt as rendered word ids.
+        if prompt is not None:
+            fields: dict = {"input_ids": prompt.fields["input_ids"]}
+        elif spec.raw_ids:
+            fields = {"input_ids": list(spec.input_ids)}
+        elif spec.text is not None:
+            fields = {"text": spec.text}
+        else:
+            fields = {"input_ids": renderer.token_ids(spec.input_ids)}
         body = {
-            "input_ids": renderer.token_ids(spec.input_ids) if prompt is None else prompt.fields["input_ids"],
+            **fields,
             "sampling_params": {
                 "max_new_tokens": spec.max_new_tokens,
                 "ignore_eos": spec.ignore_eos,
@@ -44,11 +55,17 @@ def build_body(api: str, spec, renderer, model: str | None, rid: str, prompt=Non
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         if prompt is not None:
-            body.update(prompt.fields)
-        elif api == "completions":
-            body["prompt"] = renderer.text(spec.input_ids)
+            body.update(prompt.fields)  # a conversation turn: the session's history and the turn
+        elif api == "chat" and spec.messages is not None:
+            body["messages"] = [{"role": role, "content": content} for role, content in spec.messages]
+        elif api == "completions" and spec.raw_ids and spec.text is None:
+            body["prompt"] = list(spec.input_ids)  # a file's token ids: the completions API takes them as is
         else:
-            body["messages"] = [{"role": "user", "content": renderer.text(spec.input_ids)}]
+            text = spec.text if spec.text is not None else renderer.text(spec.input_ids)
+            if api == "completions":
+                body["prompt"] = text
+            else:
+                body["messages"] = [{"role": "user", "content": text}]
     if spec.priority is not None:
         body["priority"] = spec.priority
     return API_PATHS[api], orjson.dumps(body)

@@ -44,6 +44,9 @@ POLICIES: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_POLICY = {"router": "cache_aware", "omni": "least_queue"}  # the router's own default; omni's
 DEFAULT_POLL_INTERVAL_S = 0.5
+# sglang-router 0.3.2 polls every worker's /get_load (power_of_two's load signal) every
+# --worker-startup-check-interval seconds; its default:
+ROUTER_LOAD_CHECK_S = 30
 DEFAULT_QUEUE_SIZE = 1024
 DEFAULT_SWITCH_AFTER_WAITING = 0
 DEFAULT_IN_FLIGHT_FRACTION = 1.0
@@ -131,7 +134,10 @@ class Front(_Strict):
     poll_interval_s: float | None = Field(
         None,
         gt=0,
-        description=f"omni: how often it polls each worker's load (default {DEFAULT_POLL_INTERVAL_S})",
+        description=f"how often the front polls each worker's load; omni: seconds (default "
+        f"{DEFAULT_POLL_INTERVAL_S}); router: whole seconds, sglang-router's --worker-startup-check-interval, "
+        f"which also times its /get_load polls for power_of_two (default: the router's, "
+        f"{ROUTER_LOAD_CHECK_S} s)",
     )
     queue_size: StrictInt | None = Field(
         None, gt=0, description=f"omni: the most requests its queue holds (default {DEFAULT_QUEUE_SIZE})"
@@ -231,8 +237,21 @@ class Front(_Strict):
             raise ValueError(f"{kind}: expected one of {', '.join(POLICIES[kind])}, got {policy!r}")
         return policy
 
+    @field_validator("poll_interval_s")
+    @classmethod
+    def _poll_of_the_kind(cls, value: float | None, info: ValidationInfo) -> float | None:
+        kind = info.data.get("kind")
+        if value is None or kind is None or kind == "omni":
+            return value
+        if kind == "none":
+            raise ValueError("a cluster without a front (kind: none) polls nothing")
+        if value != int(value):  # the router's flag takes whole seconds
+            raise ValueError(
+                f"router: whole seconds (sglang-router's --worker-startup-check-interval), got {value:g}"
+            )
+        return value
+
     @field_validator(
-        "poll_interval_s",
         "queue_size",
         "max_in_flight_per_worker",
         "orientation",
@@ -275,12 +294,15 @@ class ClusterConfig(_Strict):
     def front_settings(self) -> dict[str, Any] | None:
         """The front's resolved knobs, as the launcher passes them (None without a front): omni's
         orientation, policy, poll interval, queue size, in-flight limit or fraction and switch (resolved); the
-        router's policy."""
+        router's policy (and its poll interval when the file sets one)."""
         f = self.front
         if f.kind == "none":
             return None
         if f.kind == "router":
-            return {"policy": f.policy}
+            return {
+                "policy": f.policy,
+                **({"poll_interval_s": f.poll_interval_s} if f.poll_interval_s else {}),
+            }
         return {"orientation": f.orientation, "policy": f.policy, "poll_interval_s": f.poll_interval_s,
                 "queue_size": f.queue_size, "max_in_flight_per_worker": f.max_in_flight_per_worker,
                 "in_flight_fraction": f.in_flight_fraction, "switch": self.switch_routes(),

@@ -173,10 +173,13 @@ class Cluster:
             # The router's key for its own calls to the workers (health, discovery, load); it forwards the
             # client's Authorization with each request. A flag is the only way the router takes it.
             argv += ["--api-key", self.api_key]
-        # The router's output goes to stderr (stdout carries only the ready line).
+        if self.config.front.poll_interval_s:  # its /get_load polls (power_of_two) and startup checks
+            argv += ["--worker-startup-check-interval", f"{self.config.front.poll_interval_s:.0f}"]
+        # The router's output goes to stderr (stdout carries only the ready line). HF_HUB_OFFLINE: it tries to
+        # fetch a tokenizer from the model hub at start; a load test's front has no business leaving the host.
         env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         self.front_proc = spawn(argv, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL,
-                                env={**env, "NO_COLOR": "1"})  # fmt: skip
+                                env={**env, "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"})  # fmt: skip
         url = _url(self.host, port)
         deadline = time.monotonic() + START_TIMEOUT_S
         # /health answers before the router has registered its workers; /readiness counts them.

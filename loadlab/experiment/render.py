@@ -13,6 +13,43 @@ from loadlab.experiment.search import show
 from loadlab.experiment.spec import SweepSpec, is_number, label
 
 
+def render_csv(spec: SweepSpec, result: dict[str, Any]) -> str:
+    """sweep.csv, for the spreadsheet the seed's team kept its sweep in: a row per configuration, sweep.md's
+    table with numbers instead of text: each axis, then each column's median, min and max over the repeats
+    (empty where the runs have none), the repeats finished, whether it meets the SLO (every class too), why
+    not, and whether it is the SLO-first choice. A capacity search's has its capacity at SLO, first failing
+    value and confidence after the axes."""
+    import csv
+    import io
+
+    rejected = {r["config"]: "; ".join(r["reasons"]) for r in result["rejected"]}
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    axis_names = list(spec.axes)
+    cap = spec.capacity
+    header = list(axis_names)
+    if cap is not None:  # a capacity search: its answer first (the columns are the runs there)
+        header += [f"capacity at SLO ({cap.unit})", f"first fail ({cap.unit})", "confidence"]
+    for column, *_ in COLUMNS:
+        header += [column, f"{column} min", f"{column} max"]
+    writer.writerow([*header, "repeats", "meets SLO", "rejected because", "chosen"])
+    for row in result["rows"]:
+        name = label(row["config"])
+        cells: list[Any] = [row["config"][a] for a in axis_names]
+        if cap is not None:
+            found = row.get("capacity") or {}
+            cells += [found.get(k) if found.get(k) is not None else "" for k in ("capacity", "hi")]
+            cells.append(found.get("confidence", "") if found.get("values_tried") else "")
+        for column, *_ in COLUMNS:
+            v = row["values"][column]
+            cells += ["" if v[k] is None else v[k] for k in ("median", "min", "max")]
+        ran = row["repeats"] > 0 or name in rejected
+        cells += [row["repeats"], (name not in rejected) if ran else "", rejected.get(name, ""),
+                  name == result["choice"]]  # fmt: skip
+        writer.writerow(cells)
+    return out.getvalue()
+
+
 def render_md(spec: SweepSpec, result: dict[str, Any], complete: bool) -> str:
     """sweep.md; ``complete``: False says the table holds an interrupted sweep's finished runs."""
     lines = [f"# loadlab sweep: {spec.name}", ""]

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loadlab import exits
 from loadlab.experiment.aggregate import aggregate, read_run_summary, refine_configs, run_reasons
-from loadlab.experiment.render import render_html, render_md
+from loadlab.experiment.render import render_csv, render_html, render_md
 from loadlab.experiment.search import next_step, outcome, show
 from loadlab.experiment.spec import SweepError, SweepSpec, label, run_sets
 from loadlab.experiment.twin import check_virtual, virtual_run
@@ -37,6 +37,7 @@ from loadlab.target.probe import TargetError
 
 SWEEP_STATE = "sweep.json"
 SWEEP_MD = "sweep.md"
+SWEEP_CSV = "sweep.csv"  # sweep.md's table as numbers, for a spreadsheet
 SWEEP_HTML = "sweep.html"
 # sweep.json's layout. 0: written before the layout had a version (the same keys as 1, without version).
 # 2: 1 plus virtual, capacity_over, points, hints, confirm (all optional: 0 and 1 read as they were).
@@ -238,6 +239,7 @@ class Sweep:
         if state.confirm:
             result["confirmation"] = _confirmation(state, result, self.spec)
         (self.out / SWEEP_MD).write_text(render_md(self.spec, result, complete=complete))
+        (self.out / SWEEP_CSV).write_text(render_csv(self.spec, result))
         (self.out / SWEEP_HTML).write_text(render_html(self.spec, result))
         state.result = result
         self._save()

@@ -46,6 +46,13 @@ class GPU:
     nvlink: float  # bytes/s per direction, vendor spec sheet (used for tensor-parallel all-reduce)
     overhead_s: float  # fixed cost per forward pass (launch, sampling, scheduling)
     chunked_prefill_size: int  # SGLang's default --chunked-prefill-size for this memory size
+    # SGLang's default --mem-fraction-static. None: SGLang 0.5's rule for this memory size and the tensor
+    # parallel size (sglang_mem_fraction_static); the presets the twin was calibrated on keep 0.88.
+    mem_fraction_static: float | None = None
+
+    @property
+    def memory_mib(self) -> float:
+        return self.memory_bytes / MIB
 
 
 GPUS: dict[str, GPU] = {
@@ -67,6 +74,8 @@ GPUS: dict[str, GPU] = {
         overhead_s=1.15e-3,
         # sglang-wire.md: 8192 on 60-160 GB GPUs.
         chunked_prefill_size=8192,
+        # SGLang 0.4's default at tp 1: the point the twin's KV pool is calibrated at (twin.md's 440k tokens).
+        mem_fraction_static=0.88,
     ),
     "h100-80gb": GPU(
         key="h100-80gb",
@@ -86,6 +95,7 @@ GPUS: dict[str, GPU] = {
         # twin.md: ~0.5 ms (assumed).
         overhead_s=0.5e-3,
         chunked_prefill_size=8192,
+        mem_fraction_static=0.88,
     ),
     "h200": GPU(
         key="h200",
@@ -102,9 +112,90 @@ GPUS: dict[str, GPU] = {
         overhead_s=0.5e-3,
         # sglang-wire.md: 8192 on 60-160 GB GPUs.
         chunked_prefill_size=8192,
+        mem_fraction_static=0.88,
+    ),
+    # The presets below take SGLang 0.5's defaults for their memory size (sglang_memory_defaults,
+    # sglang_mem_fraction_static) and no calibration of their own: effective rates at the same fraction of
+    # the spec sheet's peak as the calibrated preset of the nearest kind.
+    "a100-40gb": GPU(
+        key="a100-40gb",
+        name="NVIDIA A100-SXM4-40GB",
+        # nvidia-smi reports 40960 MiB.
+        memory_bytes=40960 * MIB,
+        # Spec sheet: HBM2 1,555 GB/s; effective at the A100-80GB's ratio (1.65 / 2.039).
+        hbm_peak=1.555e12,
+        hbm_eff=1.555e12 * 1.65 / 2.039,
+        # The same chip as the A100-80GB: 312 TFLOP/s dense BF16, NVLink 600 GB/s total.
+        flops_peak=312e12,
+        flops_eff=200e12,
+        nvlink=300e9,
+        overhead_s=1.15e-3,  # the A100-80GB's fit (the same chip and software)
+        chunked_prefill_size=4096,  # SGLang 0.5: 4096 on 35-60 GB GPUs
+    ),
+    "h100-pcie": GPU(
+        key="h100-pcie",
+        name="NVIDIA H100 PCIe",
+        # Spec sheet: 80 GB HBM2e; nvidia-smi reports 81559 MiB.
+        memory_bytes=81559 * MIB,
+        # Spec sheet: 2.0 TB/s; effective at the H100 SXM's ratio (3.0 / 3.35).
+        hbm_peak=2.0e12,
+        hbm_eff=2.0e12 * 3.0 / 3.35,
+        # Spec sheet: 756 TFLOP/s dense BF16 (1,513 with sparsity); effective at the A100's ratio (200 / 312).
+        flops_peak=756e12,
+        flops_eff=756e12 * 200 / 312,
+        # Spec sheet: NVLink bridge 600 GB/s total (pairs of cards), 300 GB/s each way.
+        nvlink=300e9,
+        overhead_s=0.5e-3,  # the H100 SXM's (twin.md's ~0.5 ms assumption)
+        chunked_prefill_size=8192,  # SGLang 0.5: 8192 on 60-90 GB GPUs
+    ),
+    "l40s": GPU(
+        key="l40s",
+        name="NVIDIA L40S",
+        # Spec sheet: 48 GB GDDR6 with ECC; nvidia-smi reports 46068 MiB.
+        memory_bytes=46068 * MIB,
+        # Spec sheet: 864 GB/s; effective at the A100's ratio (1.65 / 2.039).
+        hbm_peak=864e9,
+        hbm_eff=864e9 * 1.65 / 2.039,
+        # Spec sheet: 362.05 TFLOP/s dense BF16 (733 with sparsity); effective at the A100's ratio.
+        flops_peak=362.05e12,
+        flops_eff=362.05e12 * 200 / 312,
+        # No NVLink: tensor parallelism goes over PCIe Gen4 x16, ~32 GB/s each way.
+        nvlink=32e9,
+        overhead_s=1.15e-3,  # assumed: the A100's fit (no measurement of an L40S)
+        chunked_prefill_size=4096,  # SGLang 0.5: 4096 on 35-60 GB GPUs
     ),
 }
-GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200-141gb": "h200"}
+GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200-141gb": "h200", "a100-sxm4-40gb": "a100-40gb"}
+
+
+def sglang_memory_defaults(memory_mib: float, tp: int) -> tuple[int, int]:
+    """(chunked_prefill_size, cuda_graph_max_bs): SGLang 0.5's defaults for a CUDA GPU of this much memory
+    (server_args.py, ``_handle_gpu_memory_settings``): larger GPUs are taken to be faster, so they get larger
+    prefill chunks and CUDA graphs for larger batches."""
+    small_tp = tp < 4
+    if memory_mib < 20 * 1024:  # T4, RTX 4080
+        return 2048, 8
+    if memory_mib < 35 * 1024:  # A10, RTX 4090
+        return 2048, 24 if small_tp else 80
+    if memory_mib < 60 * 1024:  # A100-40GB, L40(S)
+        return 4096, 32 if small_tp else 160
+    if memory_mib < 160 * 1024:  # A100-80GB, H100, H200
+        return 8192, 256 if small_tp else 512
+    return 16384, 512  # B200, MI300
+
+
+def sglang_mem_fraction_static(
+    memory_mib: float, tp: int, chunked_prefill_size: int, max_prefill_tokens: int = 16384
+) -> float:
+    """SGLang 0.5's default --mem-fraction-static: the memory left after a reserve (MiB) for activations
+    (1.5 per token of the largest prefill), CUDA graphs (2 per batch size of the largest graph), constant
+    metadata (512) and tensor parallelism (1024 per 8 GPUs); on GPUs above 60 GB at least 10 GiB."""
+    _, graph_bs = sglang_memory_defaults(memory_mib, tp)
+    prefill = chunked_prefill_size if chunked_prefill_size > 0 else max_prefill_tokens
+    reserve = 512 + max(prefill, 2048) * 1.5 + graph_bs * 2 + tp / 8 * 1024
+    if memory_mib > 60 * 1024:
+        reserve = max(reserve, 10 * 1024)
+    return round((memory_mib - reserve) / memory_mib, 3)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -319,8 +410,19 @@ class CostModel:
         )
 
     # -- memory -------------------------------------------------------------------------------------------
-    def kv_tokens(self, mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC) -> int:
-        """KV pool size in tokens: memory x fraction - weights - runtime reserve, per GPU."""
+    def default_mem_fraction_static(self, chunked_prefill_size: int | None = None) -> float:
+        """SGLang's default --mem-fraction-static for this preset (and prefill chunk: the preset's default)."""
+        g = self.gpu
+        if g.mem_fraction_static is not None:
+            return g.mem_fraction_static
+        chunk = g.chunked_prefill_size if chunked_prefill_size is None else chunked_prefill_size
+        return sglang_mem_fraction_static(g.memory_mib, self.tp, chunk)
+
+    def kv_tokens(self, mem_fraction_static: float | None = None) -> int:
+        """KV pool size in tokens: memory x fraction (default: SGLang's for the preset) - weights - runtime
+        reserve, per GPU."""
+        if mem_fraction_static is None:
+            mem_fraction_static = self.default_mem_fraction_static()
         free = self.gpu.memory_bytes * mem_fraction_static - self.weight_bytes_per_gpu - RUNTIME_RESERVE_BYTES
         return max(0, int(free / self.kv_bytes_per_token_per_gpu))
 
@@ -356,4 +458,6 @@ __all__ = [
     "default_max_running_requests",
     "resolve_gpu",
     "resolve_model",
+    "sglang_mem_fraction_static",
+    "sglang_memory_defaults",
 ]

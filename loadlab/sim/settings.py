@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadlab.sim.cost import (
-    DEFAULT_MEM_FRACTION_STATIC,
     GPUS,
     MODELS,
     CostModel,
     default_max_running_requests,
+    sglang_memory_defaults,
 )
 from loadlab.sim.engine import EngineConfig
 from loadlab.sim.eos import parse_eos_dist
@@ -85,7 +85,12 @@ SETTINGS: tuple[Setting, ...] = (
         1,
     ),
     Setting(
-        "chunked_prefill_size", "int", 8192, "most new prompt tokens per prefill pass (-1: no chunking)", -1
+        "chunked_prefill_size",
+        "int",
+        None,
+        "most new prompt tokens per prefill pass (-1: no chunking; default: SGLang's for the GPU's memory, "
+        "8192 on 60-160 GB, 4096 on 35-60 GB)",
+        -1,
     ),
     Setting("max_prefill_tokens", "int", 16384, "new-token budget of one prefill pass", 1),
     Setting(
@@ -139,7 +144,13 @@ SETTINGS: tuple[Setting, ...] = (
         "exponential:MEAN tokens, drawn per request from its prompt (default: never before max_new_tokens)",
     ),
     Setting(
-        "mem_fraction_static", "float", None, "GPU memory fraction for weights + KV (default 0.88)", 0.0, 1.0
+        "mem_fraction_static",
+        "float",
+        None,
+        "GPU memory fraction for weights + KV (default: 0.88 on the calibrated presets, SGLang 0.5's rule for "
+        "the memory size on the others)",
+        0.0,
+        1.0,
     ),
     Setting("stream_interval", "int", 1, "tokens per streamed event after the first (at least)", 1),
     Setting("enable_metrics", "bool", False, "serve Prometheus /metrics and timing fields in meta_info"),
@@ -336,6 +347,7 @@ class TwinSettings:
     tokenizer_path: str  # the tokenizer file, else the model path
     max_total_num_tokens: int  # the KV cache pool, from max_total_tokens or the memory fraction
     max_req_input_len: int
+    cuda_graph_max_bs: int  # SGLang's default for the GPU's memory: reported, not modelled (docs/twin.md)
     dp_size: int = 1
     page_size: int = 1
     incremental_streaming_output: bool = False
@@ -359,8 +371,10 @@ def resolve_settings(args: argparse.Namespace | dict[str, Any]) -> TwinSettings:
         s = {st.name: getattr(args, st.name) for st in SETTINGS}
     cost = CostModel(s["gpu"], s["model"], s["tp_size"])
     s["tp_size"] = cost.tp
+    if s["chunked_prefill_size"] is None:
+        s["chunked_prefill_size"] = cost.gpu.chunked_prefill_size
     if s["mem_fraction_static"] is None:
-        s["mem_fraction_static"] = DEFAULT_MEM_FRACTION_STATIC
+        s["mem_fraction_static"] = cost.default_mem_fraction_static(s["chunked_prefill_size"])
     kv = s["max_total_tokens"] or cost.kv_tokens(s["mem_fraction_static"])
     if kv < 1:
         raise ValueError(
@@ -378,6 +392,7 @@ def resolve_settings(args: argparse.Namespace | dict[str, Any]) -> TwinSettings:
         tokenizer_path=s["tokenizer"] or s["model_path"],
         max_total_num_tokens=kv,
         max_req_input_len=min(s["context_length"] - 1, kv - 1),
+        cuda_graph_max_bs=sglang_memory_defaults(cost.gpu.memory_mib, cost.tp)[1],
     )
 
 

@@ -27,6 +27,8 @@ PASSED_THROUGH = (
     "metrics_host",
 )  # loadlab run -> Locust, not profile keys
 DEFAULT_OUT = "reports"
+# A worker with no heartbeat from its master for this long stops its users and exits (Locust alone waits 60 s).
+DEFAULT_MASTER_LOST_S = 10.0
 
 
 def add_loadlab_arguments(parser, *, locust: bool) -> None:
@@ -69,6 +71,9 @@ def add_loadlab_arguments(parser, *, locust: bool) -> None:
         help="client-bound when a load generator handles I/O later than this at P99")  # fmt: skip
     add("--client-limit-cpu", type=positive(float), default=DEFAULT_LIMIT_CPU, metavar="FRACTION",
         help="client-bound when a load generator's mean CPU passes this fraction of a core")  # fmt: skip
+    if locust:  # a worker's (loadlab run --workers N: the environment variable)
+        add("--master-lost-s", type=positive(float), default=DEFAULT_MASTER_LOST_S, metavar="SECONDS",
+            help="a worker stops and exits after this long without a heartbeat from its master")  # fmt: skip
     add("--strict", action="store_true", default=False,
         help=f"exit {exits.CLIENT_BOUND} when the run is client-bound (its figures are suspect)")  # fmt: skip
     # Off by default: a port opened by every run would collide between runs on one machine; the web UI

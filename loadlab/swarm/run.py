@@ -41,6 +41,7 @@ from loadlab.records import (
 from loadlab.swarm.calibration import verdict
 from loadlab.swarm.options import DEFAULT_LIMIT_CPU, DEFAULT_LIMIT_MS
 from loadlab.target.probe import REFUSED, refusal
+from loadlab.workload import workload_source
 
 if TYPE_CHECKING:
     from loadlab.analysis.summary import Summary
@@ -71,7 +72,7 @@ class Run:
         self.model = model
         self.workload = workload
         self.renderer = renderer
-        self.tickets = tickets_for(profile)
+        self.tickets = tickets_for(profile, workload)
         self.dir = Path(out_root) / unique_run_name(out_root, run_name or default_run_name(profile.name))
         self.dir.mkdir(parents=True)
         self.run_id = self.dir.name
@@ -103,6 +104,7 @@ class Run:
             target=target,
             model=model,
             load=describe_load(profile, users),
+            workload_source=workload_source(workload),
             started_wall=time.time(),
             counts=Counts(
                 warmup_expected=profile.requests.warmup, measured_expected=profile.requests.measured

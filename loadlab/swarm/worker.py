@@ -40,12 +40,12 @@ from loadlab.swarm.messages import (
     WantTicket,
     listen,
 )
+from loadlab.swarm.options import DEFAULT_MASTER_LOST_S
 from loadlab.target.probe import TargetError, probe
 from loadlab.workload import build_workload
 from loadlab.workload.text import Renderer
 
 log = logging.getLogger("loadlab")
-MASTER_LOST_S = 10.0  # a worker with no heartbeat from its master for this long stops and exits
 CLOCK_PINGS = 5
 
 
@@ -246,13 +246,14 @@ class WorkerAgent:
     def _watch_master(self) -> None:
         """Locust waits 60 s for a silent master; a load generator should not run that long blind."""
         runner = self.environment.runner
+        lost_s = getattr(self.environment.parsed_options, "master_lost_s", DEFAULT_MASTER_LOST_S)
         while True:
             gevent.sleep(1.0)
             last = runner.last_heartbeat_timestamp
-            if last is None or time.time() - last < MASTER_LOST_S:
+            if last is None or time.time() - last < lost_s:
                 continue
             where = f"; its records are in {self.run.spill.path}" if self.run is not None else ""
-            log.error("loadlab: no heartbeat from the master for %.0f s: stopping%s", MASTER_LOST_S, where)
+            log.error("loadlab: no heartbeat from the master for %g s: stopping%s", lost_s, where)
             runner.user_greenlets.kill(block=True, timeout=10)
             if self.run is not None:
                 self.run.close()

@@ -6,9 +6,10 @@ conversation's turns go out through a ``Dialogue`` (the session's history, with 
 See docs/workloads.md.
 """
 
-# Importing a kind's module registers it with build_workload.
+# The kinds kept in modules of their own register themselves with the generators on import.
+from loadlab.workload import bench_serving, datasets, trace  # noqa: F401
 from loadlab.workload.conversation import Dialogue, Prompt
-from loadlab.workload.generators import build_workload
+from loadlab.workload.generators import build_workload, workload_source
 from loadlab.workload.text import TOKEN_ID_BASE, Renderer, RenderError, get_renderer
 from loadlab.workload.words import NUM_WORDS, WORDS
 
@@ -22,4 +23,5 @@ __all__ = [
     "Renderer",
     "build_workload",
     "get_renderer",
+    "workload_source",
 ]

@@ -20,13 +20,13 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from loadlab.manifest import WorkloadSource
 from loadlab.profile import (
     ClassConfig,
     Profile,
     ProfileError,
     RagWorkloadConfig,
     RandomPrefixWorkloadConfig,
-    SharedPrefixWorkloadConfig,
 )
 from loadlab.workload.spec import RequestSpec
 from loadlab.workload.words import NUM_WORDS
@@ -107,6 +107,10 @@ class WorkloadGenerator:
 
     def _reusable_prefix(self, indices: list[int]) -> list[int]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def source_info(self) -> dict | None:
+        """What the manifest records of a workload read from a file (``Manifest.workload_source``)."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} seed={self.seed} {self.config!r}>"
@@ -222,44 +226,59 @@ class SharedPrefixGenerator(WorkloadGenerator):
 
     def __init__(self, profile: Profile):
         super().__init__(profile)
-        w: SharedPrefixWorkloadConfig = self.config
         self._first = _rng(self._s, _SALT_GSP_SYSTEM_FIRST).permutation(NUM_WORDS)
         lead = _rng(self._s, _SALT_GSP_QUESTION_LEAD)
         self._q0 = lead.permutation(NUM_WORDS)
         self._q1 = lead.permutation(NUM_WORDS)
-        self.system_prompt = functools.lru_cache(maxsize=_cache_size(w.system_prompt_len, w.num_groups))(
+        groups, longest = self.cache_shape()
+        self.system_prompt = functools.lru_cache(maxsize=_cache_size(longest, groups))(
             self._make_system_prompt
         )
 
+    def cache_shape(self) -> tuple[int, int]:
+        """(groups, the longest system prompt): what the system-prompt cache is sized by."""
+        return self.config.num_groups, self.config.system_prompt_len
+
     def _make_system_prompt(self, group: int) -> np.ndarray:
-        ids = _words(_rng(self._s, group, _SALT_GSP_SYSTEM), self.config.system_prompt_len)
+        ids = _words(_rng(self._s, group, _SALT_GSP_SYSTEM), self.system_len(group))
         ids[0] = self._first[group % NUM_WORDS]
         return ids
 
+    # The hooks a variant of this structure (bench_serving's generated-shared-prefix) overrides: which group
+    # and question number request i is, and the lengths.
     def group_of(self, index: int) -> int:
         if self.config.group_order == "random":
             return int(_rng(self._s, index, _SALT_GSP_GROUP).integers(self.config.num_groups))
         return index % self.config.num_groups
 
+    def question_number(self, index: int) -> int:
+        """What the question's lead words encode: its number within the group (round robin), or the index
+        itself (random order, where that number is not known without counting)."""
+        return index // self.config.num_groups if self.config.group_order == "round_robin" else index
+
+    def system_len(self, group: int) -> int:
+        return self.config.system_prompt_len
+
+    def lengths(self, index: int) -> tuple[int, int]:
+        """(question length, output length) of request ``index``."""
+        return self.config.question_len, self.config.output_len
+
     def _spec(self, index: int) -> RequestSpec:
-        w: SharedPrefixWorkloadConfig = self.config
         group = self.group_of(index)
+        question_len, output_len = self.lengths(index)
         rng = _rng(self._s, index, _SALT_GSP_REQUEST)
-        question = _words(rng, w.question_len)
-        # The lead words make each question of a group unique: its number within the group (round robin),
-        # or the index itself (random order, where that number is not known without counting).
-        nth = index // w.num_groups if w.group_order == "round_robin" else index
-        lead = _lead_pair(self._q0, self._q1, nth)
-        n = min(2, w.question_len)
+        question = _words(rng, question_len)
+        # The lead words make each question of a group unique.
+        lead = _lead_pair(self._q0, self._q1, self.question_number(index))
+        n = min(2, question_len)
         question[:n] = lead[:n]
         ids = np.concatenate([self.system_prompt(group), question]).tolist()
-        return RequestSpec(index=index, input_ids=tuple(ids), max_new_tokens=w.output_len, prefix_group=group)
+        return RequestSpec(index=index, input_ids=tuple(ids), max_new_tokens=output_len, prefix_group=group)
 
     def _reusable_prefix(self, indices: list[int]) -> list[int]:
         # An earlier request of the group shares the system prompt, and one or both lead words of the question
         # when its number agrees modulo W (or W*W); another group whose number agrees modulo W shares the
         # system prompt's first word only.
-        w: SharedPrefixWorkloadConfig = self.config
         W = NUM_WORDS
         groups: set[int] = set()
         first_words: set[int] = set()
@@ -268,16 +287,17 @@ class SharedPrefixGenerator(WorkloadGenerator):
         out = []
         for index in indices:
             group = self.group_of(index)
-            nth = index // w.num_groups if w.group_order == "round_robin" else index
+            nth = self.question_number(index)
+            system_len, (question_len, _) = self.system_len(group), self.lengths(index)
             if group in groups:
-                shared = w.system_prompt_len
-                if (group, 2, nth % (W * W)) in leads and w.question_len >= 2:
+                shared = system_len
+                if (group, 2, nth % (W * W)) in leads and question_len >= 2:
                     shared += 2
                 elif (group, 1, nth % W) in leads:
                     shared += 1
             else:
                 shared = 1 if group % W in first_words else 0
-            out.append(min(shared, w.system_prompt_len + w.question_len - 1))
+            out.append(min(shared, system_len + question_len - 1))
             groups.add(group)
             first_words.add(group % W)
             leads.update(((group, 1, nth % W), (group, 2, nth % (W * W))))
@@ -295,16 +315,18 @@ class RandomPrefixGenerator(WorkloadGenerator):
     """
 
     kind = "random_prefix"
+    # Variants (bench_serving's random, random-ids) keep their own streams apart with their own salts.
+    salt_lead, salt_request = _SALT_RP_LEAD, _SALT_RP_REQUEST
 
     def __init__(self, profile: Profile):
         super().__init__(profile)
-        lead = _rng(self._s, _SALT_RP_LEAD)
+        lead = _rng(self._s, self.salt_lead)
         self._p0 = lead.permutation(NUM_WORDS)
         self._p1 = lead.permutation(NUM_WORDS)
 
-    def _spec(self, index: int) -> RequestSpec:
+    def lengths(self, rng: np.random.Generator) -> tuple[int, int]:
+        """(input, output) length, drawn first from the request's generator."""
         w: RandomPrefixWorkloadConfig = self.config
-        rng = _rng(self._s, index, _SALT_RP_REQUEST)
         if w.input_len_range is not None:
             n_in = int(rng.integers(w.input_len_range[0], w.input_len_range[1] + 1))
         else:
@@ -313,26 +335,34 @@ class RandomPrefixGenerator(WorkloadGenerator):
             n_out = int(rng.integers(w.output_len_range[0], w.output_len_range[1] + 1))
         else:
             n_out = w.output_len
-        ids = _lead_pair(self._p0, self._p1, index) + _words(rng, n_in - 2).tolist()
+        return n_in, n_out
+
+    def shortest_input(self) -> int:
+        w: RandomPrefixWorkloadConfig = self.config
+        return w.input_len_range[0] if w.input_len_range is not None else w.input_len
+
+    def body(self, rng: np.random.Generator, index: int, n: int) -> list[int]:
+        """The ``n`` words after the two lead words."""
+        return _words(rng, n).tolist()
+
+    def _spec(self, index: int) -> RequestSpec:
+        rng = _rng(self._s, index, self.salt_request)
+        n_in, n_out = self.lengths(rng)
+        ids = (_lead_pair(self._p0, self._p1, index) + self.body(rng, index, max(0, n_in - 2)))[:n_in]
         return RequestSpec(index=index, input_ids=tuple(ids), max_new_tokens=n_out, prefix_group=None)
 
     def _reusable_prefix(self, indices: list[int]) -> list[int]:
         # Only the two lead words can repeat: the first for indices equal modulo W, both modulo W*W.
-        w: RandomPrefixWorkloadConfig = self.config
         W = NUM_WORDS
         one: set[int] = set()
         two: set[int] = set()
         out = []
         for index in indices:
             shared = 2 if index % (W * W) in two else (1 if index % W in one else 0)
-            if shared == 2:  # the whole prompt only when it has two tokens; the server computes the last
-                n_in = w.input_len
-                if w.input_len_range is not None:
-                    n_in = int(
-                        _rng(self._s, index, _SALT_RP_REQUEST).integers(
-                            w.input_len_range[0], w.input_len_range[1] + 1
-                        )
-                    )
+            if (
+                shared >= self.shortest_input()
+            ):  # at most the prompt less one token: the server computes the last
+                n_in = self.lengths(_rng(self._s, index, self.salt_request))[0]
                 shared = min(shared, n_in - 1)
             out.append(shared)
             one.add(index % W)
@@ -345,11 +375,13 @@ _GENERATORS: dict[str, type[WorkloadGenerator]] = {
 }
 
 
-def register(generator: type[WorkloadGenerator]) -> type[WorkloadGenerator]:
-    """Adds a workload kind defined in a module of its own (it imports this one, so this one cannot import
-    it; ``loadlab.workload`` imports every such module, so the kind is known wherever a workload is built)."""
-    _GENERATORS[generator.kind] = generator
-    return generator
+def register(*generators: type[WorkloadGenerator]) -> type[WorkloadGenerator]:
+    """Adds workload kinds defined in modules of their own (they import this one, so this one cannot import
+    them; ``loadlab.workload`` imports every such module, so the kinds are known wherever a workload is
+    built). Returns the first, so it also serves as a class decorator."""
+    for g in generators:
+        _GENERATORS[g.kind] = g
+    return generators[0]
 
 
 def quotas(shares: list[float], n: int) -> list[int]:
@@ -406,7 +438,7 @@ class ClassedWorkload:
         shares = [c.share for c in self.classes]
         self._cdf = np.cumsum(shares)
         self._cdf[-1] = 1.0
-        base = _GENERATORS[profile.workload.kind](profile)
+        base = self.base = _GENERATORS[profile.workload.kind](profile)
         self.generators: list[WorkloadGenerator] = []
         for c in self.classes:
             if c.workload is None or c.workload == profile.workload:
@@ -462,6 +494,9 @@ class ClassedWorkload:
             out[positions] = by_id[key].reusable_prefix([indices[p] for p in positions])
         return out
 
+    def source_info(self) -> dict | None:
+        return self.base.source_info()
+
     def __repr__(self) -> str:
         return f"<ClassedWorkload seed={self.seed} {[c.name for c in self.classes]}>"
 
@@ -472,3 +507,9 @@ def build_workload(profile: Profile) -> WorkloadGenerator | ClassedWorkload:
     if profile.classes:
         return ClassedWorkload(profile)
     return _GENERATORS[profile.workload.kind](profile)
+
+
+def workload_source(workload: WorkloadGenerator | ClassedWorkload) -> WorkloadSource | None:
+    """What the manifest records of a workload replayed from a file (its ``source_info()``), else None."""
+    info = workload.source_info()
+    return WorkloadSource(**info) if info is not None else None

@@ -25,6 +25,13 @@ class RequestSpec:
     turn: int | None = None  # 1 for a session's first turn
     system_len: int = 0
     think_time_s: float = 0.0  # sent this long after the previous turn's reply ended
+    # A prompt replayed from a file (the dataset kind), sent as the file has it: its text (/generate's text,
+    # /v1/completions' prompt, a chat user message) or chat messages ((role, content) pairs). input_ids are
+    # then its tokens as counted (docs/workloads.md). raw_ids: input_ids are the target's token ids, sent as
+    # they are (/generate's input_ids, a token-id completions prompt), not word ids to render.
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    raw_ids: bool = False
 
     @property
     def input_len(self) -> int:

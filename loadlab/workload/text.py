@@ -70,6 +70,12 @@ def load_tokenizer(path: str):
         raise ProfileError(f"target.tokenizer: cannot load tokenizer file {path!r}: {reason}") from None
 
 
+@functools.lru_cache(maxsize=4)
+def cached_tokenizer(path: str):
+    """``load_tokenizer``, once per process and path: the renderer and a dataset's token counts share it."""
+    return load_tokenizer(path)
+
+
 class Renderer:
     """Turns word ids into token ids or text, exactly sized when a tokenizer file is given."""
 
@@ -79,7 +85,7 @@ class Renderer:
         if not tokenizer_path:
             self.words = list(WORDS)
             return
-        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.tokenizer = cached_tokenizer(tokenizer_path)
         self._build_table()
 
     @property
