@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -225,7 +226,8 @@ def software_versions(**more: str) -> Versions:
 def write_manifest(run_dir: Path, manifest: Manifest) -> None:
     """Writes manifest.json atomically (a crash never leaves a half-written manifest)."""
     path = Path(run_dir) / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
+    # A name of its own per process and call: two writers of one directory never share a temporary file.
+    tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_text(json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
