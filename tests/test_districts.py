@@ -18,21 +18,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadlab.cluster.omni_process import OMNI, OmniProcess, omni_argv
-from loadlab.testing.servers import start_twin
+from loadlab.testing.servers import started_twins
 
 HEADER = "x-request-id-class"
 
 
 @pytest.fixture(scope="module")
 def twins():
-    started = []
-    try:
-        for _ in range(3):
-            started.append(start_twin("--enable-metrics"))
+    with started_twins(*[("--enable-metrics",)] * 3) as started:
         yield started
-    finally:
-        for t in started:
-            t.stop()
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadlab.cluster.omni_process import OMNI, READY_PREFIX, OmniProcess, omni_argv
 from loadlab.procs import free_port
-from loadlab.testing.servers import start_scripted, start_twin
+from loadlab.testing.servers import start_scripted, start_twin, started_twins
 
 POLL_S = 0.2
 
@@ -35,14 +35,9 @@ POLL_S = 0.2
 def twins():
     """Three twins with metrics: A runs at most 2 requests at once (more wait in its queue), C has a small
     KV pool (60k tokens), B is the default."""
-    started = []
-    try:
-        for flags in (("--max-running-requests", "2"), (), ("--max-total-tokens", "60000")):
-            started.append(start_twin("--enable-metrics", *flags))
+    flags = (("--max-running-requests", "2"), (), ("--max-total-tokens", "60000"))
+    with started_twins(*[("--enable-metrics", *f) for f in flags]) as started:
         yield started
-    finally:
-        for t in started:
-            t.stop()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadlab.cluster.config import ORIENTATIONS, ClusterError, load_cluster
 from loadlab.cluster.omni_process import OMNI, OmniProcess, omni_argv
-from loadlab.testing.servers import start_twin
+from loadlab.testing.servers import started_twins
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = "x-request-id-class"
@@ -43,14 +43,11 @@ CASES = {
 # -- real processes ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def twins():
-    started = []
-    try:
-        for limit in (ONLINE_MAX, OFFLINE_MAX):
-            started.append(start_twin("--enable-metrics", "--max-running-requests", str(limit)))
+    flags = [
+        ("--enable-metrics", "--max-running-requests", str(limit)) for limit in (ONLINE_MAX, OFFLINE_MAX)
+    ]
+    with started_twins(*flags) as started:
         yield started
-    finally:
-        for t in started:
-            t.stop()
 
 
 @pytest.fixture

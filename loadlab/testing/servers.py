@@ -5,8 +5,9 @@ server to a core)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from loadlab.procs import ReadyLineProcess
@@ -69,3 +70,16 @@ def start_twin(*flags: str, prefix: Sequence[str] = ()) -> ServerProcess:
     server = ServerProcess([*prefix, *TWIN, "--port", "0", *flags])
     server.start()
     return server
+
+
+@contextlib.contextmanager
+def started_twins(*flag_sets: Sequence[str]) -> Iterator[list[ServerProcess]]:
+    """One twin per flag set, all stopped on exit (those already started too when a later one fails)."""
+    started: list[ServerProcess] = []
+    try:
+        for flags in flag_sets:
+            started.append(start_twin(*flags))
+        yield started
+    finally:
+        for twin in started:
+            twin.stop()
