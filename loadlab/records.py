@@ -63,6 +63,16 @@ STATUS_WORKER = "worker"
 STATUS_FRONT = "front"
 STATUS_SOURCES = (STATUS_WORKER, STATUS_FRONT)
 
+# Where a record's per-event token counts (arrival_tokens) came from (its arrival_tokens_from). Only the
+# server's counts are certain; a server that ignores stream_options.continuous_usage_stats counts tokens
+# only at the end, and the client then gives each content chunk its share (docs/metrics.md, "ITL when the
+# server counts only at the end").
+COUNTS_SERVER = "server"  # the server's cumulative counts on every event (native meta_info, OpenAI usage)
+COUNTS_TOKENIZER = "tokenizer"  # each chunk's text counted with the profile's target.tokenizer
+COUNTS_SPREAD = "spread"  # the server's final count spread over the chunks
+COUNTS_CHUNKS = "chunks"  # no count from the server at all: one token per chunk
+COUNTS_SOURCES = (COUNTS_SERVER, COUNTS_TOKENIZER, COUNTS_SPREAD, COUNTS_CHUNKS)
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -82,7 +92,7 @@ class RequestRecord:
     e2e_ms: float | None = None  # send -> last line of the stream (or the failure)
     arrival_ms: list[float] = field(default_factory=list)  # per token-carrying event, offset from send
     arrival_tokens: list[int] = field(default_factory=list)  # tokens carried by that event
-    tokens_per_event_exact: bool = True  # False when the server gave no per-event token count
+    tokens_per_event_exact: bool = True  # False when the per-event counts are estimated (see below)
     input_len: int = 0  # prompt length the workload intended
     max_new_tokens: int = 0
     prompt_tokens: int | None = None  # server-reported
@@ -102,6 +112,7 @@ class RequestRecord:
     )
     session: int | None = None  # a conversation's session (its spec's); None for any other workload
     turn: int | None = None  # the request's turn in its session, 1 first
+    arrival_tokens_from: str = COUNTS_SERVER  # where arrival_tokens came from: a COUNTS_* above
 
     def to_json_line(self) -> bytes:
         return orjson.dumps(self) + b"\n"  # orjson serialises dataclasses natively (~50x asdict)
@@ -273,6 +284,7 @@ def arrow_types() -> dict[str, Any]:
         "arrival_ms": pa.list_(pa.float64()),
         "arrival_tokens": pa.list_(pa.int64()),
         "tokens_per_event_exact": pa.bool_(),
+        "arrival_tokens_from": pa.string(),
         "input_len": pa.int64(),
         "max_new_tokens": pa.int64(),
         "prompt_tokens": pa.int64(),

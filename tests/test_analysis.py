@@ -151,7 +151,7 @@ def test_percentiles_are_exact_numpy_and_use_bench_serving_keys(tmp_path):
         for stat in STATS:
             assert f"{stat}_{stem}" in s.dump()
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk == s.dump() and on_disk["version"] == 5
+    assert on_disk == s.dump() and on_disk["version"] == 6
     assert Summary.read(tmp_path) == s
 
 
@@ -719,7 +719,7 @@ def test_summary_json_is_checked_against_the_model(tmp_path, monkeypatch):
     s = summarize(tmp_path, records, make_manifest({"slo": {"ttfx_p9_ms": 1}}))
     on_disk = json.loads((tmp_path / SUMMARY_JSON).read_text())
     assert Summary.read(tmp_path) == s and s.dump() == on_disk
-    assert on_disk["version"] == 5 and on_disk["schema"] == "loadlab.summary/5"
+    assert on_disk["version"] == 6 and on_disk["schema"] == "loadlab.summary/6"
     assert s.client_queue_ms is not None and "p99_client_queue_ms" in on_disk
     assert "server_queue_ms" not in on_disk["samples"] and "mean_server_queue_ms" not in on_disk
     assert on_disk["slo"]["unrecognized"] == ["ttfx_p9_ms"] and "peak_token_usage" not in on_disk["server"]
@@ -755,8 +755,8 @@ def test_summary_json_is_checked_against_the_model(tmp_path, monkeypatch):
     path.write_text(json.dumps({**on_disk, "surprise": 1}))
     with pytest.raises(SummaryError, match=r"surprise: Extra inputs are not permitted.*loadlab report"):
         Summary.read(tmp_path)
-    path.write_text(json.dumps({**on_disk, "version": 6}))
-    with pytest.raises(SummaryError, match="summary version 6; this loadlab reads versions 1, 2, 3, 4, 5"):
+    path.write_text(json.dumps({**on_disk, "version": 7}))
+    with pytest.raises(SummaryError, match="summary version 7; this loadlab reads versions 1, 2, 3, 4, 5, 6"):
         Summary.read(tmp_path)
     added_in_2 = ("workers", "unattributed_requests", "classes")
     version_1 = {k: v for k, v in on_disk.items() if k not in added_in_2}

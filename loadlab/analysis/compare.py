@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from loadlab.analysis.report import write_report
-from loadlab.analysis.summary import SUMMARY_JSON, Summary
+from loadlab.analysis.summary import SUMMARY_JSON, Summary, itl_estimated, itl_notes
 
 # (label, attribute path in Summary, unit, better when lower); summary.json's key in the comment
 FIGURES = (
@@ -134,8 +134,13 @@ def render(a_dir: Path, b_dir: Path, a: Summary, b: Summary, rows: list[dict[str
             lines.append(f"note: {run} is a partial run")
         if s.client is not None and s.client.client_bound:
             lines.append(f"note: {run} was client-bound: its latencies include the load generator's delay")
+        lines += [f"note: {run}: {note}" for note in itl_notes(s)]
     lines += ["", f"{'figure':<28} {'A':>12} {'B':>12} {'change':>8}", "-" * 64]
-    lines += [_figure_line(r) for r in rows]
+    estimated = " ".join(run for run, s in (("A", a), ("B", b)) if itl_estimated(s))
+    for r in rows:
+        if estimated and r["figure"].startswith("ITL"):
+            r = {**r, "figure": f"{r['figure']} (est. {estimated})"}
+        lines.append(_figure_line(r))
     if a.slo.passed is not None or b.slo.passed is not None:
         every = " (every class)" if a.classes or b.classes else ""
         lines.append(

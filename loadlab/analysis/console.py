@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from loadlab.analysis.report import slo_lines
-from loadlab.analysis.summary import LatencyStats, Summary
+from loadlab.analysis.summary import LatencyStats, Summary, itl_estimated, itl_notes
 
 WIDTH = 78
 _ROWS = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_latency_ms"))
@@ -40,9 +40,12 @@ def render_console(s: Summary, report: Path | None = None) -> str:
         if stats is None:
             continue
         count = getattr(s.samples, stem) or 0
+        if stem == "itl_ms" and itl_estimated(s):
+            label = "ITL (est.)"
         lines.append(
             f"{label:<12}" + "".join(f"{_ms(getattr(stats, a)):>11}" for _, a in _STATS) + f"{count:>10}"
         )
+    lines += itl_notes(s)
     if s.classes:
         lines.append("")
         lines.append(

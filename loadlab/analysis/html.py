@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from loadlab.analysis.server_metrics import gauge_series, same_server
-from loadlab.analysis.summary import Summary
+from loadlab.analysis.summary import Summary, itl_estimated, itl_notes
 from loadlab.records import MEASURE, OK
 
 REPORT_HTML = "report.html"
@@ -67,11 +67,11 @@ def png_base64(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _cdfs(samples: dict[str, np.ndarray]):
+def _cdfs(samples: dict[str, np.ndarray], itl_label: str = "ITL (per token)"):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
-    for ax, (stem, title) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL (per token)"),
+    for ax, (stem, title) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", itl_label),
                                         ("e2e_latency_ms", "E2E")), strict=True):  # fmt: skip
         values = np.sort(np.asarray(samples.get(stem, []), dtype=float))
         values = values[np.isfinite(values)]
@@ -407,7 +407,8 @@ def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFra
 
     workers = [w.served_by for w in summary.workers]
     scraped = {same_server(r["url"]) for r in server_rows if "m" in r and isinstance(r.get("url"), str)}
-    makers = [lambda: _cdfs(samples), lambda: _timeline(df, server_rows)]
+    itl_label = "ITL (per token, estimated)" if itl_estimated(summary) else "ITL (per token)"
+    makers = [lambda: _cdfs(samples, itl_label), lambda: _timeline(df, server_rows)]
     if workers or len(scraped) > 1:  # a cluster: each worker on its own line
         down = {w.served_by: w.unreachable_from for w in summary.workers if w.unreachable_from is not None}
         makers.append(lambda: _per_worker(df, server_rows, workers, down))
@@ -431,13 +432,19 @@ def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFra
         f"{html.escape(f.parts()[1])}</p>"
         for f in summary.findings
     )
+    # Beside the CDFs: ITL per token rests on counts the client made when the server counted only at the end.
+    itl = "".join(
+        f"<p class='itl-counts' data-estimated='{str(itl_estimated(summary)).lower()}'>"
+        f"<b>{html.escape(note.split(': ', 1)[0])}</b>: {html.escape(note.split(': ', 1)[1])}</p>"
+        for note in itl_notes(summary)
+    )
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
         "<style>body{font-family:sans-serif;max-width:1200px;margin:1em auto}img{max-width:100%}"
-        "pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}.finding{background:#fff4e5;padding:.5em 1em}"
+        "pre{white-space:pre-wrap;background:#f6f6f6;padding:1em}.finding,.itl-counts{background:#fff4e5;padding:.5em 1em}"
         f"{CLASS_CSS if per_class else ''}</style>"
         f"</head><body><h1>{title}</h1>{findings}{per_class}"
-        f"<h2>Latency CDFs</h2><img alt='latency CDFs' src='data:image/png;base64,{images[0]}'>"
+        f"<h2>Latency CDFs</h2>{itl}<img alt='latency CDFs' src='data:image/png;base64,{images[0]}'>"
         f"<h2>Timeline</h2><img alt='timeline' src='data:image/png;base64,{images[1]}'>{per_worker}"
         f"<h2>Summary</h2><pre>{html.escape(markdown)}</pre></body></html>\n"
     )

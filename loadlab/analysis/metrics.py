@@ -32,7 +32,7 @@ from loadlab.analysis.stats import (  # the definitions, shared with the live fi
 )
 from loadlab.analysis.summary import SUMMARY_SCHEMA, SUMMARY_VERSION, Summary
 from loadlab.manifest import ClientVerdict, Manifest
-from loadlab.records import MEASURE, OK, RECORD_FIELDS, STATUS_FRONT, WARMUP
+from loadlab.records import COUNTS_CHUNKS, COUNTS_SERVER, MEASURE, OK, RECORD_FIELDS, STATUS_FRONT, WARMUP
 
 PERCENTILES = (90, 95, 99)
 PERCENTILE_METHOD = "exact: numpy.percentile over the raw per-request samples, linear interpolation"
@@ -138,6 +138,21 @@ def _objects(df: pd.DataFrame, col: str) -> list[Any]:
 
 def _objects_array(df: pd.DataFrame, col: str) -> np.ndarray:
     return np.array(_objects(df, col), dtype=object)
+
+
+def counts_from(df: pd.DataFrame, rows: np.ndarray, exact: np.ndarray) -> dict[str, int]:
+    """The selected records by their ``arrival_tokens_from``, sorted. Records written before the field had
+    the server's counts when exact, else one token per chunk."""
+    idx = np.flatnonzero(rows)
+    if idx.size == 0:
+        return {}
+    source = np.where(exact[idx], COUNTS_SERVER, COUNTS_CHUNKS).astype(object)
+    if "arrival_tokens_from" in df.columns:
+        col = df["arrival_tokens_from"].iloc[idx]
+        given = col.notna().to_numpy()
+        source[given] = col.to_numpy(dtype=object)[given]
+    names, counts = np.unique(source.astype(str), return_counts=True)
+    return {str(n): int(c) for n, c in zip(names, counts, strict=True)}
 
 
 def _bools(df: pd.DataFrame, col: str, default: bool) -> np.ndarray:
@@ -489,6 +504,9 @@ def compute_summary(
         "cached_token_ratio": cached_ratio,
         "cached_tokens_reported": cached_reported,
         "tokens_per_event_inexact": int((ok & ~exact).sum()),
+        "itl_estimated": bool((ok & ~exact).any()),
+        "itl_estimated_ratio": float((ok & ~exact).sum() / completed) if completed else None,
+        "arrival_tokens_from": counts_from(df, ok, exact),
         "short_outputs": int(short.sum()),
         "percentile_method": PERCENTILE_METHOD,
         "samples": {stem: int(arr.size) for stem, arr in samples.items()},

@@ -11,6 +11,7 @@ from loadlab.analysis.html import REPORT_HTML, render_html
 from loadlab.analysis.metrics import compute_summary
 from loadlab.analysis.server_metrics import read_server_metrics
 from loadlab.analysis.summary import (
+    ESTIMATED_ROWS,
     SUMMARY_JSON,
     Client,
     Finding,
@@ -18,6 +19,8 @@ from loadlab.analysis.summary import (
     Overload,
     Server,
     Summary,
+    itl_estimated,
+    itl_notes,
     write_atomic,
 )
 from loadlab.manifest import read_manifest
@@ -430,6 +433,8 @@ def render_markdown(s: Summary) -> str:
         if stats is None or (stem in _OPTIONAL_ROWS and not count):
             continue
         cells = [_num(getattr(stats, stat)) for _, stat in _LATENCY_COLUMNS]
+        if stem in ESTIMATED_ROWS and itl_estimated(s):
+            label += ", estimated"
         lines.append(f"| {label} | {count} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -438,6 +443,9 @@ def render_markdown(s: Summary) -> str:
         "tokens after the first event instead. ITL per token spreads each event's gap over its tokens.",
         "",
     ]
+    for note in itl_notes(s):
+        title, text = note.split(": ", 1)
+        lines += [f"> **{title}**: {text}", ""]
     lines += _client_lines(s.client)
     lines += _finding_lines([f for f in s.findings if f.kind != "over_capacity"])
 
@@ -480,11 +488,6 @@ def render_markdown(s: Summary) -> str:
             else ""
         )  # fmt: skip
     )
-    if s.tokens_per_event_inexact:
-        lines.append(
-            f"- {s.tokens_per_event_inexact} completed requests had no exact per-event token count: "
-            "their ITL samples assume the counts the client inferred"
-        )
     lines.append("")
     lines += _server_lines(s.server)
     lines += _worker_lines(s)

@@ -37,16 +37,16 @@ from pydantic import (
 )
 
 SUMMARY_JSON = "summary.json"
-SUMMARY_VERSION = 5  # 2: workers and unattributed_requests (per-worker attribution); 3: classes; 4: goodput,
+SUMMARY_VERSION = 6  # 2: workers and unattributed_requests (per-worker attribution); 3: classes; 4: goodput,
 # the overload verdict, findings and the expected cached-token ratio; 5: a conversation's sessions and turns,
-# a file workload's prompt_lengths
-SUMMARY_SCHEMA = "loadlab.summary/5"  # kept beside version, which came later; bumped with it
+# a file workload's prompt_lengths; 6: estimated ITL (itl_estimated, itl_estimated_ratio, arrival_tokens_from)
+SUMMARY_SCHEMA = "loadlab.summary/6"  # kept beside version, which came later; bumped with it
 # Older versions this one reads: each added fields only, so an old file reads with their defaults.
-READS_VERSIONS = (1, 2, 3, 4, 5)
+READS_VERSIONS = (1, 2, 3, 4, 5, 6)
 # Version 3 added classes, workers[].unreachable_from, unreachable_after_s, reachable_again_from, front_failed
 # and front_failures; version 4 goodput_limits, good_requests, goodput_ratio, request_goodput, output_goodput
 # (top level and classes[]), overload, expected_cached_token_ratio and findings; version 5 sessions, turns and
-# prompt_lengths.
+# prompt_lengths; version 6 itl_estimated, itl_estimated_ratio and arrival_tokens_from.
 # Each has a default (null or empty), so older summaries read; `loadlab report RUN_DIR` computes the new
 # figures from the records.
 
@@ -477,12 +477,12 @@ class Turn(_Model):
 class Summary(_FlatLatency, _Goodput):
     """The run summary (summary.json), computed exactly from the raw records: docs/metrics.md."""
 
-    schema_name: Literal["loadlab.summary/5"] = Field(
-        alias="schema", description="The schema, loadlab.summary/5."
+    schema_name: Literal["loadlab.summary/6"] = Field(
+        alias="schema", description="The schema, loadlab.summary/6."
     )
-    version: Literal[5] = Field(
+    version: Literal[6] = Field(
         SUMMARY_VERSION,
-        description="Schema version of this summary (versions 1-4 and summaries without the key read as 5).",
+        description="Schema version of this summary (versions 1-5 and summaries without the key read as 6).",
     )
     run_id: str | None = Field(description="The run's id (manifest run_id).")
     profile_name: str | None = Field(description="The profile's name.")
@@ -550,6 +550,19 @@ class Summary(_FlatLatency, _Goodput):
     )
     tokens_per_event_inexact: int = Field(
         description="Completed requests without exact per-event token counts."
+    )
+    itl_estimated: bool = Field(
+        False,
+        description="Some completed request's per-event token counts, so its ITL, are estimated: the server "
+        "sent token counts only at the end (or none); false in summaries written before version 6.",
+    )
+    itl_estimated_ratio: float | None = Field(
+        None, description="tokens_per_event_inexact / completed; null without completed requests."
+    )
+    arrival_tokens_from: dict[str, int] = Field(
+        default_factory=dict,
+        description="Completed requests by where their per-event token counts came from (the records' "
+        "arrival_tokens_from: server, tokenizer, spread, chunks), sorted; empty before version 6.",
     )
     short_outputs: int = Field(description="Completed requests with fewer output tokens than max_new_tokens.")
     percentile_method: str = Field(description="How percentiles are computed, in words.")
@@ -643,3 +656,53 @@ def _is_stats(annotation: Any) -> bool:
 # The latency metrics (fields holding LatencyStats) and the statistics of each, in order.
 LATENCY_STEMS: tuple[str, ...] = tuple(n for n, f in Summary.model_fields.items() if _is_stats(f.annotation))
 STATS: tuple[str, ...] = tuple(LatencyStats.model_fields)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Estimated ITL, in words (summary.md, report.html, the console block and compare say the same)
+
+# How the client counted the chunks of a server that counts only at the end, in words (records'
+# arrival_tokens_from; the rules in docs/metrics.md).
+_COUNTS_WORDS = {
+    "tokenizer": "each chunk's text counted with target.tokenizer",
+    "spread": "the final count spread over the chunks",
+    "chunks": "no count from the server at all: one token per chunk",
+}
+# The latency rows that depend on the per-event token counts (the others use the server's total or times).
+ESTIMATED_ROWS = {"itl_ms", "tpot_decode_ms"}
+
+
+def _pct(part: int, whole: int) -> str:
+    share = 100.0 * part / whole if whole else 0.0
+    return f"{share:.0f}%" if share >= 1 or share == 0 else f"{share:.2g}%"
+
+
+def itl_estimated(s: Summary) -> bool:
+    """The run's ITL is (partly) estimated; also for a summary written before ``itl_estimated``."""
+    return s.itl_estimated or s.tokens_per_event_inexact > 0
+
+
+def itl_notes(s: Summary) -> list[str]:
+    """What summary.md, report.html, the console block and compare say when the server did not count every
+    event itself: "ITL estimated: ..." when some per-event counts are estimated (and how the client
+    counted), else how the client counted exactly. Empty when the server counted every event (and in
+    summaries written before the fields)."""
+    counted = {k: v for k, v in s.arrival_tokens_from.items() if k in _COUNTS_WORDS}
+    how = "; ".join(f"{_COUNTS_WORDS[k]}: {v}" for k, v in counted.items())
+    if itl_estimated(s):
+        n = s.tokens_per_event_inexact
+        return [
+            "ITL estimated: the server sent token counts only at the end"
+            + (" (or none)" if "chunks" in counted else "")
+            + f"; {_pct(n, s.completed)} of requests "
+            f"({n} of {s.completed}"
+            + (f"; {how}" if how else "")
+            + "). ITL per token and TPOT (decode) rest "
+            "on those counts; TTFT, TPOT, E2E and ITL per event do not."
+        ]
+    if counted:
+        return [
+            f"ITL counted by the client: the server sent token counts only at the end; {how} "
+            f"({_pct(sum(counted.values()), s.completed)} of requests), adding up to the server's counts."
+        ]
+    return []

@@ -6,12 +6,23 @@ has ended, off the per-line path, and turns (lines, receipt times) into record f
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 import orjson
 
 from loadlab.profile import API_PATHS
-from loadlab.records import DROPPED, OK, PROTOCOL_ERROR, STREAM_ERROR
+from loadlab.records import (
+    COUNTS_CHUNKS,
+    COUNTS_SERVER,
+    COUNTS_SPREAD,
+    COUNTS_TOKENIZER,
+    DROPPED,
+    OK,
+    PROTOCOL_ERROR,
+    STREAM_ERROR,
+)
 
 MAX_ERROR_TEXT = 300
 
@@ -88,6 +99,7 @@ class Decoded:
     arrival_times: list[float] = field(default_factory=list)  # receipt times of token-carrying events
     arrival_tokens: list[int] = field(default_factory=list)
     tokens_per_event_exact: bool = True
+    arrival_tokens_from: str = COUNTS_SERVER  # where arrival_tokens came from (records.COUNTS_*)
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
@@ -99,15 +111,17 @@ class Decoded:
 
 def decode_stream(
     api: str, lines: list[bytes], times: list[float], ended_cleanly: bool, reply: bool = False,
-    last_whole: bytes | None = None,
+    last_whole: bytes | None = None, tokenizer=None,
 ) -> Decoded:  # fmt: skip
     """Decodes the raw SSE lines of one response. ``ended_cleanly``: the body ended without a transport
     error (a drop or timeout is already known to the caller, who overrides the outcome). ``reply``: also
     keep what the server answered (a conversation feeds it back): the OpenAI chunks' text, or on the native
-    API the output ids of ``last_whole``, the last event as it arrived (the reader cuts the others)."""
+    API the output ids of ``last_whole``, the last event as it arrived (the reader cuts the others).
+    ``tokenizer`` (a ``tokenizers.Tokenizer``, the profile's ``target.tokenizer``): counts the text of
+    OpenAI chunks that came without a token count (``count_chunks``)."""
     out = Decoded()
     decode_event = _decode_native if api == "generate" else _decode_openai
-    state = _State(reply and api != "generate")
+    state = _State(reply and api != "generate", tokenizer)
     saw_done = False
     for raw, t in zip(lines, times, strict=True):
         line = raw.rstrip(b"\r\n")
@@ -176,23 +190,107 @@ def parse_event(payload: bytes) -> dict:
 
 
 class _State:
-    __slots__ = ("tokens", "inexact_events", "final_usage_tokens", "texts")
+    __slots__ = ("tokens", "uncounted", "uncounted_texts", "final_usage_tokens", "texts", "tokenizer")
 
-    def __init__(self, reply: bool = False):
+    def __init__(self, reply: bool = False, tokenizer=None):
         self.tokens = 0  # tokens counted so far from the server's cumulative counters
-        self.inexact_events = 0  # OpenAI content chunks seen without a token count
+        self.uncounted: list[int] = []  # OpenAI content chunks seen without a token count: their events
+        self.uncounted_texts: list[str] = []  # and their text
         self.final_usage_tokens = None
         self.texts: list[str] | None = [] if reply else None  # the OpenAI chunks' text, when kept
+        self.tokenizer = tokenizer
 
     def finish(self, out: Decoded) -> None:
         if self.texts is not None:
             out.reply = "".join(self.texts)
-        if self.inexact_events:
-            out.tokens_per_event_exact = False
+        if self.uncounted:
+            self._count_uncounted(out)
         if self.final_usage_tokens is not None:
             out.output_tokens = self.final_usage_tokens
         elif out.output_tokens is None and out.arrival_tokens:
             out.output_tokens = sum(out.arrival_tokens)
+
+    def _count_uncounted(self, out: Decoded) -> None:
+        """The server counted some content chunks not at all (it ignored ``continuous_usage_stats``): give
+        them tokens, from the tokenizer when there is one, else by spreading the server's final count
+        (``spread_tokens``); without a final count, the tokenizer's counts or one per chunk. Events left
+        with no token leave the lists (the time is part of the next gap)."""
+        out.tokens_per_event_exact = False
+        rest = None  # the final count less what the server counted itself
+        if self.final_usage_tokens is not None:
+            rest = max(0, self.final_usage_tokens - self.tokens)
+        counts = count_chunks(self.tokenizer, self.uncounted_texts)
+        if counts is not None:
+            out.arrival_tokens_from = COUNTS_TOKENIZER
+            if rest is not None:
+                if sum(counts) == rest:
+                    out.tokens_per_event_exact = True  # the tokenizer agrees with the server's total
+                else:
+                    counts = reconcile_counts(counts, rest)
+        elif rest is not None:
+            out.arrival_tokens_from = COUNTS_SPREAD
+            counts = spread_tokens(rest, len(self.uncounted))
+        else:
+            out.arrival_tokens_from = COUNTS_CHUNKS
+            counts = [1] * len(self.uncounted)
+        for event, n in zip(self.uncounted, counts, strict=True):
+            out.arrival_tokens[event] = n
+        if 0 in counts:
+            keep = [j for j, n in enumerate(out.arrival_tokens) if n > 0]
+            out.arrival_times = [out.arrival_times[j] for j in keep]
+            out.arrival_tokens = [out.arrival_tokens[j] for j in keep]
+
+
+def spread_tokens(total: int, chunks: int) -> list[int]:
+    """``total`` tokens over ``chunks`` content chunks that came without counts, in order. Servers send a
+    fixed number of tokens a chunk (their stream interval) and a short last chunk, so each chunk gets
+    ``ceil(total / chunks)`` tokens, from the first on, while the chunks after it can still have one each;
+    the last chunks take the rest (``[4, 4, 4, 2]`` for 14 tokens over 4 chunks, ``[3, 3, 2, 1]`` for 9).
+    Fewer tokens than chunks: one each to the first ``total``, none to the others. The sum is ``total``."""
+    total = max(0, total)
+    if total < chunks:
+        return [1] * total + [0] * (chunks - total)
+    if chunks == 0:
+        return []
+    size = -(-total // chunks)  # ceil
+    counts, left = [], total
+    for j in range(chunks):
+        n = min(size, left - (chunks - 1 - j))  # at least 1: left >= chunks - j
+        counts.append(n)
+        left -= n
+    return counts
+
+
+def reconcile_counts(counts: list[int], total: int) -> list[int]:
+    """The tokenizer's per-chunk ``counts`` made to sum to the server's ``total``: tokens the server counted
+    beyond the text's (an end-of-sequence token has no text) go to the last chunk; tokens too many (merges
+    across chunk boundaries) come off the last chunks, down to one each (then to none, the last first)."""
+    out = list(counts)
+    diff = total - sum(out)
+    if diff > 0 and out:
+        out[-1] += diff
+    for floor in (1, 0):
+        for j in range(len(out) - 1, -1, -1):
+            if diff >= 0:
+                break
+            take = min(out[j] - floor, -diff)
+            if take > 0:
+                out[j] -= take
+                diff += take
+    return out
+
+
+def count_chunks(tokenizer, texts: list[str]) -> list[int] | None:
+    """Each chunk's text counted with ``tokenizer`` (without special tokens), or None without one.
+    The text is encoded once, whole; a token belongs to the chunk its last character arrived in."""
+    if tokenizer is None or not texts:
+        return None
+    enc = tokenizer.encode("".join(texts), add_special_tokens=False)
+    ends = list(itertools.accumulate(len(t) for t in texts))
+    counts = [0] * len(texts)
+    for start, end in enc.offsets:
+        counts[min(bisect.bisect_left(ends, max(end, start + 1)), len(texts) - 1)] += 1
+    return counts
 
 
 def _decode_native(event: dict, t: float, state: _State, out: Decoded) -> None:
@@ -253,10 +351,11 @@ def _decode_openai(event: dict, t: float, state: _State, out: Decoded) -> None:
                 state.tokens = completion
             return
     if content:
-        # No token count on this chunk: count it as one token and mark the record inexact.
+        # No token count on this chunk: the tokens are given when the stream has ended (_State.finish).
+        state.uncounted.append(len(out.arrival_tokens))
+        state.uncounted_texts.append(content)
         out.arrival_times.append(t)
         out.arrival_tokens.append(1)
-        state.inexact_events += 1
 
 
 def error_from_body(status: int, body: bytes) -> str:

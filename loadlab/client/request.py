@@ -24,11 +24,13 @@ def send(
 
 
 def to_record(
-    ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id: int, cancelled=False, dialogue=None
+    ex: Exchange, api: str, spec, phase: str, worker_id: str, user_id: int, cancelled=False, dialogue=None,
+    tokenizer=None,
 ):  # fmt: skip
     """Turns a finished (or cancelled) exchange into the request's record. ``dialogue``: the conversation the
     request was a turn of (``loadlab.workload.Dialogue``): the record takes the length of the prompt sent,
-    and the server's reply goes into the dialogue for the next turn."""
+    and the server's reply goes into the dialogue for the next turn. ``tokenizer``: the profile's
+    ``target.tokenizer`` (loaded), which counts the chunks of a server that sends no count per chunk."""
     rec = RequestRecord(
         index=spec.index,
         phase=phase,
@@ -56,8 +58,9 @@ def to_record(
     clean = ex.transport == OK and not cancelled
     want = dialogue is not None and not cancelled
     decoded = decode_stream(
-        api, ex.lines, ex.times, ended_cleanly=clean, reply=want, last_whole=ex.last_whole
-    )
+        api, ex.lines, ex.times, ended_cleanly=clean, reply=want, last_whole=ex.last_whole,
+        tokenizer=tokenizer,
+    )  # fmt: skip
     if want:
         dialogue.reply(decoded.reply, decoded.output_tokens or 0)
     t0 = ex.t_send
@@ -65,6 +68,7 @@ def to_record(
     rec.arrival_tokens = decoded.arrival_tokens
     rec.ttft_ms = rec.arrival_ms[0] if rec.arrival_ms else None
     rec.tokens_per_event_exact = decoded.tokens_per_event_exact
+    rec.arrival_tokens_from = decoded.arrival_tokens_from
     rec.server_id = decoded.server_id
     rec.prompt_tokens = decoded.prompt_tokens
     rec.output_tokens = decoded.output_tokens

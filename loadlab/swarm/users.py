@@ -129,7 +129,7 @@ class SGLangUser(User):
         run = self.run
         try:
             return to_record(ex, run.api, spec, phase, run.worker_id, self.user_id, cancelled=cancelled,
-                             dialogue=dialogue)  # fmt: skip
+                             dialogue=dialogue, tokenizer=run.renderer.tokenizer)  # fmt: skip
         except Exception as e:
             log.exception("loadlab: could not decode the reply to request %d", spec.index)
             return self._error_record(spec.index, phase, spec, ex, e)

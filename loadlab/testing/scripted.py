@@ -19,6 +19,8 @@ request got. Cases (see ``CASES``):
 
   normal      one token per event
   multi4      four tokens per event (the last event carries the rest)
+  multi4_endusage  multi4 from a server that ignores continuous_usage_stats but honours include_usage:
+              OpenAI chunks carry no usage, the final usage chunk the total (native: like multi4)
   crlf        SSE lines end with \\r\\n (events with \\r\\n\\r\\n)
   comments    ``: ping`` comment lines before the first event and between events
   split       each event in three writes 3 ms apart; the first split falls inside a multi-byte
@@ -68,6 +70,7 @@ MODEL = "scripted-model"
 CASES = (
     "normal",
     "multi4",
+    "multi4_endusage",
     "crlf",
     "comments",
     "split",
@@ -199,7 +202,7 @@ class Server:
                 "gap_ms": self.gap_s * 1000.0,
                 "model_path": MODEL,
                 "served_model_name": MODEL,
-                "stream_interval": 4 if case == "multi4" else 1,
+                "stream_interval": 4 if case.startswith("multi4") else 1,
                 "max_running_requests": 4096,
                 "max_total_num_tokens": 1 << 20,
                 "max_req_input_len": 1 << 16,
@@ -271,7 +274,9 @@ class Exchange:
         opts = req.get("stream_options") or {}
         usage_ok = case != "nousage"
         self.include_usage = usage_ok and bool(opts.get("include_usage"))
-        self.continuous_usage = usage_ok and bool(opts.get("continuous_usage_stats"))
+        self.continuous_usage = (
+            usage_ok and case != "multi4_endusage" and bool(opts.get("continuous_usage_stats"))
+        )
         self.stream = bool(req.get("stream", False))
 
     # ---- the script ------------------------------------------------------------------------------
@@ -279,7 +284,7 @@ class Exchange:
     def plan(self) -> list[int]:
         """Tokens carried by each planned event."""
         n = max(0, self.n_out)
-        if self.case == "multi4":
+        if self.case in ("multi4", "multi4_endusage"):
             return [4] * (n // 4) + ([n % 4] if n % 4 else [])
         return [1] * n
 
