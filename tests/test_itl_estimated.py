@@ -311,3 +311,85 @@ def test_native_api_is_never_estimated(scripted_server, tmp_path):
     assert summary["itl_estimated"] is False and summary["itl_estimated_ratio"] == 0.0
     assert summary["arrival_tokens_from"] == {COUNTS_SERVER: 3}
     assert "ITL estimated" not in (run.run_dir / "summary.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run's figures say it: summary.json, summary.md, report.html, the console block, compare
+
+
+def _records():
+    from test_analysis import decoding, rec
+
+    exact = [rec(i, t=0.1 * i, events=decoding(8, 100.0, 10.0), e2e=200.0) for i in range(2)]
+    spread = rec(2, t=0.2, events=[(100.0, 4), (140.0, 4)], e2e=150.0, exact=False)
+    spread.arrival_tokens_from = COUNTS_SPREAD
+    old = rec(3, t=0.3, events=[(100.0, 1), (140.0, 1)], output=8, e2e=150.0, exact=False)
+    old.arrival_tokens_from = None  # a record written before the field: inexact, so one per chunk
+    return [*exact, spread, old]
+
+
+def test_summary_marks_estimated_itl_everywhere(tmp_path):
+    from test_analysis import summarize
+
+    from loadlab.analysis.compare import compare, render
+    from loadlab.analysis.console import render_console
+
+    (tmp_path / "est").mkdir()
+    (tmp_path / "plain").mkdir()
+    s = summarize(tmp_path / "est", _records(), html=True)
+    assert s.tokens_per_event_inexact == 2 and s.itl_estimated is True and s.itl_estimated_ratio == 0.5
+    assert s.arrival_tokens_from == {COUNTS_CHUNKS: 1, COUNTS_SERVER: 2, COUNTS_SPREAD: 1}
+    note = "ITL estimated: the server sent token counts only at the end (or none); 50% of requests (2 of 4"
+    md = (tmp_path / "est" / "summary.md").read_text()
+    assert "> **" + note.replace(": ", "**: ", 1) in md
+    assert "| ITL (per token), estimated |" in md and "| TPOT (decode), estimated |" in md
+    assert "| ITL (per event) |" in md and "| TPOT |" in md  # receipt times and the server's total: exact
+    assert "the final count spread over the chunks: 1" in md
+    html = (tmp_path / "est" / "report.html").read_text()
+    assert "<p class='itl-counts' data-estimated='true'><b>ITL estimated</b>" in html
+    console = render_console(s)
+    assert "ITL (est.)" in console and note in console
+
+    plain = summarize(tmp_path / "plain", _records()[:2])
+    assert plain.itl_estimated is False and plain.itl_estimated_ratio == 0.0
+    assert plain.arrival_tokens_from == {COUNTS_SERVER: 2}
+    assert "ITL estimated" not in (tmp_path / "plain" / "summary.md").read_text()
+    assert "ITL (est.)" not in render_console(plain) and "ITL (per token), estimated" not in render_console(
+        plain
+    )
+    text = render(tmp_path / "plain", tmp_path / "est", plain, s, compare(plain, s))
+    assert "note: B: " + note in text and "note: A:" not in text
+    assert "ITL P95 (est. B)" in text
+
+
+def test_tokenizer_counts_that_add_up_are_said_not_estimated(tmp_path):
+    from test_analysis import decoding, rec, summarize
+
+    r = rec(0, events=[(100.0, 4), (140.0, 4)], e2e=150.0)
+    r.arrival_tokens_from = COUNTS_TOKENIZER
+    s = summarize(tmp_path, [r, rec(1, t=0.1, events=decoding(8, 100.0, 10.0), e2e=200.0)])
+    assert s.itl_estimated is False and s.arrival_tokens_from == {COUNTS_SERVER: 1, COUNTS_TOKENIZER: 1}
+    md = (tmp_path / "summary.md").read_text()
+    assert "> **ITL counted by the client**: the server sent token counts only at the end; each chunk's text " \
+        "counted with target.tokenizer: 1 (50% of requests)" in md  # fmt: skip
+    assert "ITL (per token), estimated" not in md
+
+
+def test_a_summary_written_before_the_fields_still_says_it(tmp_path):
+    from test_analysis import summarize
+
+    from loadlab.analysis import Summary
+    from loadlab.analysis.summary import itl_estimated, itl_notes
+
+    s = summarize(tmp_path, _records())
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    old = {
+        k: v
+        for k, v in on_disk.items()
+        if k not in ("itl_estimated", "itl_estimated_ratio", "arrival_tokens_from")
+    }
+    (tmp_path / "summary.json").write_text(json.dumps({**old, "version": 5, "schema": "loadlab.summary/5"}))
+    back = Summary.read(tmp_path)
+    assert back.itl_estimated is False and back.arrival_tokens_from == {}  # the defaults
+    assert itl_estimated(back) and itl_notes(back)[0].startswith("ITL estimated: ")
+    assert s.version == 6

@@ -86,7 +86,9 @@ def test_attribution_fields_come_last_and_round_trip_through_parquet(tmp_path):
     )
 
     # New columns go at the end.
-    assert RECORD_FIELDS[-5:] == ("served_by", "status_source", "request_class", "session", "turn")
+    assert RECORD_FIELDS[-6:] == (
+        "served_by", "status_source", "request_class", "session", "turn", "arrival_tokens_from"
+    )  # fmt: skip
     assert STATUS_SOURCES == ("worker", "front")
     base = dict(phase="measure", api="generate", worker_id="h:1", user_id=0, t_send_wall=1.0)
     writer = RecordWriter(tmp_path)
@@ -115,6 +117,8 @@ def test_attribution_fields_come_last_and_round_trip_through_parquet(tmp_path):
 
     assert strings(df.served_by) == ["http://127.0.0.1:1", None, None, None]
     assert strings(df.status_source) == ["worker", "front", None, None]
+    assert str(schema.field("arrival_tokens_from").type) == "string"
+    assert strings(df.arrival_tokens_from) == ["server", "server", "server", None]
 
 
 def test_records_csv_has_the_documented_columns_and_the_parquet_values(tmp_path):
