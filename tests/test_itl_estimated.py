@@ -393,3 +393,19 @@ def test_a_summary_written_before_the_fields_still_says_it(tmp_path):
     assert back.itl_estimated is False and back.arrival_tokens_from == {}  # the defaults
     assert itl_estimated(back) and itl_notes(back)[0].startswith("ITL estimated: ")
     assert s.version == 6
+
+
+def test_count_chunks_with_a_real_tokenizer():
+    """A trained ``tokenizers`` BPE (no hub): chunks cut at word boundaries, with non-ASCII words, are counted
+    as the tokenizer counts each chunk on its own (its offsets are characters, not UTF-8 bytes)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    words = ["naïve", "café", "Grüße", "token", "stream", "日本語", "latency", "über"]
+    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"], show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    chunks = [" naïve café", " Grüße", " 日本語 token stream", " über latency", " café"]
+    own = [len(tok.encode(c, add_special_tokens=False).ids) for c in chunks]
+    assert sum(own) > len(chunks) * 2  # the small vocabulary splits words: the counts are not trivial
+    assert count_chunks(tok, chunks) == own
