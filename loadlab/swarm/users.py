@@ -74,7 +74,12 @@ class SGLangUser(User):
         if due is not None:  # open loop: send at the due time; a late send is client queueing, recorded
             wait = due - time.time()
             if wait > 0:
-                gevent_sleep(wait)
+                try:
+                    gevent_sleep(wait)
+                except GreenletExit:  # stopped before its due time: every index still gets its one record
+                    for rest in range(index, index + turns):
+                        run.record(self._unsent_record(rest, phase, None))
+                    raise
         dialogue = Dialogue(run.api, run.renderer) if run.profile.conversation else None
         for turn in range(turns):
             try:
