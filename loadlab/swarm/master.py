@@ -158,11 +158,15 @@ class Coordinator:
         self.asks[worker] = want
         self._serve()
 
-    def _serve(self) -> None:
+    def _serve(self, tick: bool = False) -> None:
         """Answers held asks, oldest first, each with a block of what can be leased now (pool first, then new
         tickets); an ask nothing can be leased for stays held, unless no ticket can ever come (then every
-        held ask is answered with ``done``). Never waits: it runs in the message handler."""
-        while self.asks:
+        held ask is answered with ``done``). In open loop asks are served on a timer (``tick``) that runs
+        OPEN_BATCH_S after the next ticket may be leased, so a block carries every ticket that entered the
+        window meanwhile rather than one ticket per ask. Never waits: it runs in message handlers."""
+        run = self.run
+        open_loop = run is not None and run.tickets.arrivals is not None
+        while self.asks and (tick or not open_loop):
             worker, want = next(iter(self.asks.items()))
             tickets = self._take(want.n)
             if not tickets:
@@ -173,7 +177,8 @@ class Coordinator:
             for worker, want in self.asks.items():
                 TicketBlock.of(want.id, [], 0.0, done=True).send(self.runner, client_id=worker)
             self.asks.clear()
-        self._arm_timer()
+        if open_loop:
+            self._arm_timer()
 
     def _take(self, n: int) -> list[Ticket]:
         """Up to ``n`` tickets that may be handed out now, of one phase: tickets to lease again first (their
@@ -226,15 +231,16 @@ class Coordinator:
         TicketBlock.of(ask_id, tickets, valid_until).send(self.runner, client_id=worker)
 
     def _arm_timer(self) -> None:
-        """Open loop: serve held asks again when the next ticket may be leased."""
-        if self.timer is not None or not self.asks or self.upcoming is None or self.upcoming.due is None:
+        """Open loop: serve held asks OPEN_BATCH_S after the next ticket may be leased."""
+        if self.timer is not None or not self.asks:
             return
-        delay = max(0.0, self.upcoming.due - LEASE_AHEAD_S - time.time()) + OPEN_BATCH_S
-        self.timer = gevent.spawn_later(delay, self._on_timer)
+        ticket = self.upcoming
+        wait = 0.0 if ticket is None or self.pool else max(0.0, ticket.due - LEASE_AHEAD_S - time.time())
+        self.timer = gevent.spawn_later(wait + OPEN_BATCH_S, self._on_timer)
 
     def _on_timer(self) -> None:
         self.timer = None
-        self._serve()
+        self._serve(tick=True)
 
     def _on_return(self, worker: str, returned: ReturnTickets) -> None:
         """Tickets a worker will never start: leased again (ignored if they already were, the worker having
