@@ -187,6 +187,7 @@ class Coordinator:
         run = self.run
         if run is None or run.finalized or self.drain_done:
             return []
+        n = min(n, self._fair_share())
         out: list[Ticket] = []
         while self.pool and len(out) < n:
             out.append(heapq.heappop(self.pool))
@@ -207,6 +208,16 @@ class Coordinator:
                 break
             out.append(ticket)
         return out
+
+    def _fair_share(self) -> int:
+        """The most one block may take: what is left of the phase shared among the live workers, so that
+        near the end of the run (or of the warm-up) no worker's stock keeps tickets the others' free users
+        could send."""
+        tickets = self.run.tickets
+        end = tickets.warmup if tickets.next_index < tickets.warmup else tickets.total
+        left = end - tickets.next_index + len(self.pool) + (self.upcoming is not None)
+        workers = sum(1 for c in self.runner.clients.all if c.state != STATE_MISSING) or 1
+        return max(1, -(-left // workers))
 
     def _no_more(self) -> bool:
         """No ticket can be leased ever again: the dispenser is empty and no leased ticket can come back."""
@@ -373,7 +384,7 @@ class Coordinator:
 
     def _on_drained(self, worker: str, drained: Drained) -> None:
         self.drained[worker] = drained.last_seq
-        self.waits[worker] = (drained.takes, drained.ticket_wait_s)
+        self.waits[worker] = (drained.takes, drained.ticket_wait_s, drained.empty_takes)
         if drained.calibration:
             self.calibration[worker] = drained.calibration
 
@@ -407,11 +418,13 @@ class Coordinator:
 
     def lease_figures(self) -> str:
         """One line: tickets leased, blocks, tickets leased again, and how long users waited for a ticket."""
-        takes = sum(n for n, _ in self.waits.values())
-        waited = sum(s for _, s in self.waits.values())
+        takes = sum(n for n, _, _ in self.waits.values())
+        waited = sum(s for _, s, _ in self.waits.values())
+        empty = sum(e for _, _, e in self.waits.values())
         again = sum(self.re_leased.values())
         per_block = self.leased / self.blocks if self.blocks else 0.0
-        wait = f"{waited / takes * 1000:.3f} ms per measured ticket" if takes else "no measured ticket"
+        wait = (f"{waited / takes * 1000:.3f} ms per measured ticket ({empty} of {takes} found the stock empty)"
+                if takes else "no measured ticket")  # fmt: skip
         return (
             f"tickets: {self.leased} leased in {self.blocks} blocks ({per_block:.1f} a block)"
             f"{f', {again} of dead workers leased again' if again else ''}; users waited {wait}"

@@ -195,7 +195,9 @@ class Drained(Message):
         0  # measured tickets its users took (those a user began waiting for before the barrier opened
     )
     # excepted: that wait is the barrier's, not the master's)
-    ticket_wait_s: float = 0.0  # the time those users spent waiting for them, in all
+    ticket_wait_s: float = 0.0  # the time those users spent waiting for them, in all (for the stock to be
+    # refilled when it was empty, then for the batch reporting the start to be on the wire)
+    empty_takes: int = 0  # of those takes, the ones that found the stock empty
     asks: int = 0  # the WantTickets it sent, the whole run
 
 

@@ -105,6 +105,7 @@ class SGLangUser(User):
                 with _cpu_lane:
                     idle()
                     prompt = dialogue.prompt(spec)
+            run.tickets.before_send(index)
             ex = new_exchange()
             try:
                 send(self.client, run.api, spec, run.renderer, run.model, f"{run.rid_prefix}-{index}", ex,

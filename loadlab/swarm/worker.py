@@ -83,11 +83,14 @@ class RemoteTickets:
         self.arrived = Event()  # replaced by a new one each time a block arrives (its waiters look again)
         self.measuring = False
         self.on_measure_start = None  # called once, with this worker's first measured ticket
-        self.rtt_s = 0.002  # an ask's round trip (moving average)
+        self.rtt_s = 0.010  # an ask's round trip (moving average)
         self.rate = 0.0  # tickets taken per second (moving average)
         self._window = (time.monotonic(), 0)
         self.takes = self.asks = 0
         self.measured_takes = 0
+        self.empty_takes = 0  # of those, takes that found the stock empty (waited for a block)
+        self.reports: dict[int, Event] = {}  # a ticket taken -> set once its start is reported to the master
+        self.report_wait_s = 0.0  # time users waited for that before sending, in the measured phase
         self.ticket_wait_s = 0.0
         gevent.spawn(self._expire_loop)
 
@@ -96,6 +99,7 @@ class RemoteTickets:
         """The next ticket (waits while the stock is empty and more may come), or None: no ticket is left."""
         t0 = time.perf_counter()
         before_barrier = not self.measuring
+        empty = False
         while True:
             ticket = self._pop()
             if ticket is not None:
@@ -103,6 +107,7 @@ class RemoteTickets:
             if self.done or self.stopped:
                 self.exhausted = True
                 return None
+            empty = True
             arrived = self.arrived
             self.waiting += 1
             try:
@@ -111,16 +116,27 @@ class RemoteTickets:
             finally:
                 self.waiting -= 1
         # The master learns of this start before the request goes out (a dead worker's unstarted tickets
-        # are leased again: a started one must never be).
-        flushed = self.run.note_started(ticket.index)
+        # are leased again: a started one must never be): ``before_send`` waits for the report.
+        self.reports[ticket.index] = self.run.note_started(ticket.index)
         try:
             self._refill()
-            flushed.wait()
         except GreenletExit:  # the user was stopped holding it: its indices still need their one record
+            self.reports.pop(ticket.index, None)
             self.run.unsent(ticket)
             raise
-        self._count(ticket, time.perf_counter() - t0, before_barrier)
+        self._count(ticket, time.perf_counter() - t0, before_barrier, empty)
         return ticket
+
+    def before_send(self, index: int) -> None:
+        """Waits until the batch that reports ticket ``index`` as started is on the wire (usually long
+        since: the user built its request meanwhile)."""
+        reported = self.reports.pop(index, None)
+        if reported is None or reported.is_set():
+            return
+        t0 = time.perf_counter()
+        reported.wait()
+        if self.measuring:
+            self.report_wait_s += time.perf_counter() - t0
 
     def _pop(self) -> Ticket | None:
         expired = []
@@ -136,16 +152,18 @@ class RemoteTickets:
             self._give_back(expired)
         return ticket
 
-    def _count(self, ticket: Ticket, waited_s: float, before_barrier: bool) -> None:
+    def _count(self, ticket: Ticket, waited_s: float, before_barrier: bool, empty: bool) -> None:
         self.takes += 1
         if ticket.phase == MEASURE:
             if not self.measuring:
                 self.measuring = True
+                self._window = (time.monotonic(), 0)  # the barrier's pause is no rate
                 if self.on_measure_start is not None:
                     self.on_measure_start()
             if not before_barrier:
                 self.measured_takes += 1
                 self.ticket_wait_s += waited_s
+                self.empty_takes += empty
         start, count = self._window
         now = time.monotonic()
         if now - start >= 0.25:
@@ -156,13 +174,16 @@ class RemoteTickets:
 
     # -- the master ---------------------------------------------------------------------------------------
     def marks(self) -> tuple[int, int]:
-        """(low-water mark, refill): the stock to keep beyond the users waiting, and to ask up to."""
+        """(low-water mark, refill): the stock to keep beyond the users waiting, and to ask up to. The mark
+        covers the takes of two round trips (closed-loop users tend to finish in waves, and a busy worker's
+        round trip is tens of ms), at least half the users, at most all of them; a refill is twice
+        the mark, so each ask brings a block of at least the mark."""
         if self.open_loop:
             return 0, 0
         users = max(1, self.runner.user_count)
         ahead = 2.0 * self.rate * self.rtt_s  # takes during two round trips
-        low = min(users, max(1, math.ceil(users / 16 + ahead)))
-        return low, min(users, 2 * low)
+        low = min(users, max(1, math.ceil(users / 2 + ahead)))
+        return low, 2 * low
 
     def _refill(self) -> None:
         if self.asking is not None or self.done or self.stopped:
@@ -180,7 +201,7 @@ class RemoteTickets:
         tickets = block.decoded(clock_offset_s)
         if block.id == self.asking:
             self.asking = None
-            sample = min(time.monotonic() - self.asked_at, 0.05)  # a held ask (the barrier) is no round trip
+            sample = min(time.monotonic() - self.asked_at, 0.25)  # a held ask (the barrier) is no round trip
             self.rtt_s = 0.8 * self.rtt_s + 0.2 * sample
         if block.done:
             self.done = True
@@ -382,7 +403,7 @@ class WorkerAgent:
         while not run.flushed():
             gevent.sleep(0.01)
         Drained(last_seq=run.seq - 1, calibration=calibration, takes=tickets.measured_takes,
-                ticket_wait_s=tickets.ticket_wait_s, asks=tickets.asks).send(runner)  # fmt: skip
+                ticket_wait_s=tickets.ticket_wait_s + tickets.report_wait_s, asks=tickets.asks, empty_takes=tickets.empty_takes).send(runner)  # fmt: skip
 
     def _sync_clock(self) -> None:
         """NTP-style: the master's clock minus ours at the midpoint of the fastest of a few round trips."""
