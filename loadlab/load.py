@@ -178,6 +178,10 @@ class Tickets:
         self.dues.append(due)
         return due
 
+    def before_send(self, index: int) -> None:
+        """Called by the user right before it sends request ``index``: nothing to wait for here (a
+        distributed run's worker waits until the master has been told the ticket started)."""
+
     def in_flight(self, now: float) -> int:
         """Requests handed out, due by ``now`` (the driver's clock) and not finished: the live in-flight
         count (an open loop's tickets wait for their due time first)."""

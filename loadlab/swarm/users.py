@@ -74,7 +74,12 @@ class SGLangUser(User):
         if due is not None:  # open loop: send at the due time; a late send is client queueing, recorded
             wait = due - time.time()
             if wait > 0:
-                gevent_sleep(wait)
+                try:
+                    gevent_sleep(wait)
+                except GreenletExit:  # stopped before its due time: every index still gets its one record
+                    for rest in range(index, index + turns):
+                        run.record(self._unsent_record(rest, phase, None))
+                    raise
         dialogue = Dialogue(run.api, run.renderer) if run.profile.conversation else None
         for turn in range(turns):
             try:
@@ -100,6 +105,7 @@ class SGLangUser(User):
                 with _cpu_lane:
                     idle()
                     prompt = dialogue.prompt(spec)
+            run.tickets.before_send(index)
             ex = new_exchange()
             try:
                 send(self.client, run.api, spec, run.renderer, run.model, f"{run.rid_prefix}-{index}", ex,

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import socket
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import gevent
-from gevent.event import AsyncResult, Event
+from gevent import GreenletExit
+from gevent.event import Event
 
 from loadlab import exits
 from loadlab.load import Ticket
@@ -28,6 +31,7 @@ from loadlab.records import (
 )
 from loadlab.swarm.calibration import ClientMonitor
 from loadlab.swarm.messages import (
+    LEASE_GUARD_S,
     ClockReport,
     Drain,
     Drained,
@@ -35,9 +39,10 @@ from loadlab.swarm.messages import (
     Ping,
     Pong,
     RecordBatch,
+    ReturnTickets,
     RunInfo,
-    TicketReply,
-    WantTicket,
+    TicketBlock,
+    WantTickets,
     listen,
 )
 from loadlab.swarm.options import DEFAULT_MASTER_LOST_S
@@ -50,33 +55,186 @@ CLOCK_PINGS = 5
 
 
 class RemoteTickets:
-    """A worker's tickets: each one asked of the master when a user needs it."""
+    """A worker's tickets: a small stock leased from the master in blocks, which users take from without a
+    round trip. One ask is outstanding at a time; it goes out when the stock falls below its low-water mark
+    (closed loop: enough for the users' takes during two round trips, at least one in 16 of the worker's
+    users) and asks for twice the mark plus the users already waiting. In open loop the worker asks only
+    for its waiting users, so a ticket always goes to a free user (it is handed over at most LEASE_AHEAD_S
+    before it is due) and no ticket waits in the stock of a busy worker while another has free users.
 
-    def __init__(self, runner):
+    A ticket taken from the stock is reported to the master in the worker's next RecordBatch, and ``take``
+    returns only once that batch is on the wire: a request never reaches the server before the master
+    knows it may have."""
+
+    EXPIRE_EVERY_S = 1.0
+
+    def __init__(self, run: WorkerRun, runner, open_loop: bool):
+        self.run = run
         self.runner = runner
-        self.waiting: dict[int, AsyncResult] = {}
+        self.open_loop = open_loop
+        self.stock: deque[tuple[Ticket, float]] = deque()  # (ticket, last start time on this worker's clock)
         self.ids = itertools.count()
+        self.asking: int | None = None  # the outstanding ask's id
+        self.asked_at = 0.0
+        self.done = False  # the master has no ticket left and none can come back
         self.exhausted = False
+        self.stopped = False  # the run is draining or over: nothing more is taken, the stock goes back
+        self.waiting = 0  # users waiting for a ticket
+        self.arrived = Event()  # replaced by a new one each time a block arrives (its waiters look again)
         self.measuring = False
         self.on_measure_start = None  # called once, with this worker's first measured ticket
+        self.rtt_s = 0.010  # an ask's round trip (moving average)
+        self.rate = 0.0  # tickets taken per second (moving average)
+        self._window = (time.monotonic(), 0)
+        self.takes = self.asks = 0
+        self.measured_takes = 0
+        self.empty_takes = 0  # of those, takes that found the stock empty (waited for a block)
+        self.reports: dict[int, Event] = {}  # a ticket taken -> set once its start is reported to the master
+        self.report_wait_s = 0.0  # time users waited for that before sending, in the measured phase
+        self.ticket_wait_s = 0.0
+        gevent.spawn(self._expire_loop)
 
+    # -- users ------------------------------------------------------------------------------------------
     def take(self) -> Ticket | None:
-        if self.exhausted:
-            return None
-        request_id = next(self.ids)
-        result = self.waiting[request_id] = AsyncResult()
-        WantTicket(id=request_id).send(self.runner)
+        """The next ticket (waits while the stock is empty and more may come), or None: no ticket is left."""
+        t0 = time.perf_counter()
+        before_barrier = not self.measuring
+        empty = False
+        while True:
+            ticket = self._pop()
+            if ticket is not None:
+                break
+            if self.done or self.stopped:
+                self.exhausted = True
+                return None
+            empty = True
+            arrived = self.arrived
+            self.waiting += 1
+            try:
+                self._refill()
+                arrived.wait()
+            finally:
+                self.waiting -= 1
+        # The master learns of this start before the request goes out (a dead worker's unstarted tickets
+        # are leased again: a started one must never be): ``before_send`` waits for the report.
+        self.reports[ticket.index] = self.run.note_started(ticket.index)
         try:
-            ticket = result.get()
-        finally:
-            self.waiting.pop(request_id, None)
-        if ticket is None:
-            self.exhausted = True
-        elif ticket.phase == MEASURE and not self.measuring:
-            self.measuring = True
-            if self.on_measure_start is not None:
-                self.on_measure_start()
+            self._refill()
+        except GreenletExit:  # the user was stopped holding it: its indices still need their one record
+            self.reports.pop(ticket.index, None)
+            self.run.unsent(ticket)
+            raise
+        self._count(ticket, time.perf_counter() - t0, before_barrier, empty)
         return ticket
+
+    def before_send(self, index: int) -> None:
+        """Waits until the batch that reports ticket ``index`` as started is on the wire (usually long
+        since: the user built its request meanwhile)."""
+        reported = self.reports.pop(index, None)
+        if reported is None or reported.is_set():
+            return
+        t0 = time.perf_counter()
+        reported.wait()
+        if self.measuring:
+            self.report_wait_s += time.perf_counter() - t0
+
+    def _pop(self) -> Ticket | None:
+        expired = []
+        ticket = None
+        now = time.time()
+        while self.stock:
+            candidate, last_start = self.stock.popleft()
+            if now < last_start:
+                ticket = candidate
+                break
+            expired.append(candidate)
+        if expired:
+            self._give_back(expired)
+        return ticket
+
+    def _count(self, ticket: Ticket, waited_s: float, before_barrier: bool, empty: bool) -> None:
+        self.takes += 1
+        if ticket.phase == MEASURE:
+            if not self.measuring:
+                self.measuring = True
+                self._window = (time.monotonic(), 0)  # the barrier's pause is no rate
+                if self.on_measure_start is not None:
+                    self.on_measure_start()
+            if not before_barrier:
+                self.measured_takes += 1
+                self.ticket_wait_s += waited_s
+                self.empty_takes += empty
+        start, count = self._window
+        now = time.monotonic()
+        if now - start >= 0.25:
+            self.rate = 0.5 * self.rate + 0.5 * (count + 1) / (now - start)
+            self._window = (now, 0)
+        else:
+            self._window = (start, count + 1)
+
+    # -- the master ---------------------------------------------------------------------------------------
+    def marks(self) -> tuple[int, int]:
+        """(low-water mark, refill): the stock to keep beyond the users waiting, and to ask up to. The mark
+        covers the takes of two round trips (closed-loop users tend to finish in waves, and a busy worker's
+        round trip is tens of ms), at least half the users, at most all of them; a refill is twice
+        the mark, so each ask brings a block of at least the mark."""
+        if self.open_loop:
+            return 0, 0
+        users = max(1, self.runner.user_count)
+        ahead = 2.0 * self.rate * self.rtt_s  # takes during two round trips
+        low = min(users, max(1, math.ceil(users / 2 + ahead)))
+        return low, 2 * low
+
+    def _refill(self) -> None:
+        if self.asking is not None or self.done or self.stopped:
+            return
+        low, refill = self.marks()
+        have = len(self.stock)
+        if have >= low + self.waiting:
+            return
+        self.asking = next(self.ids)
+        self.asked_at = time.monotonic()
+        self.asks += 1
+        WantTickets(id=self.asking, n=self.waiting + refill - have).send(self.runner)
+
+    def on_block(self, block: TicketBlock, clock_offset_s: float) -> None:
+        tickets = block.decoded(clock_offset_s)
+        if block.id == self.asking:
+            self.asking = None
+            sample = min(time.monotonic() - self.asked_at, 0.25)  # a held ask (the barrier) is no round trip
+            self.rtt_s = 0.8 * self.rtt_s + 0.2 * sample
+        if block.done:
+            self.done = True
+        if self.stopped:
+            self._give_back(tickets)
+            return
+        last_start = block.valid_until - clock_offset_s - LEASE_GUARD_S
+        self.stock.extend((t, last_start) for t in tickets)
+        arrived, self.arrived = self.arrived, Event()
+        arrived.set()
+        self._refill()  # users may have come to wait while the ask was out
+
+    def stop(self) -> None:
+        """The run is draining: no more takes; the stock goes back to the master."""
+        self.stopped = True
+        self._give_back([t for t, _ in self.stock])
+        self.stock.clear()
+        arrived, self.arrived = self.arrived, Event()
+        arrived.set()
+
+    def _give_back(self, tickets: list[Ticket]) -> None:
+        if tickets:
+            ReturnTickets(indices=[t.index for t in tickets]).send(self.runner)
+
+    def _expire_loop(self) -> None:
+        """Returns stock whose lease has expired even when no user takes from it (the users were stopped)."""
+        while not self.stopped:
+            gevent.sleep(self.EXPIRE_EVERY_S)
+            now = time.time()
+            expired = []
+            while self.stock and self.stock[0][1] <= now:
+                expired.append(self.stock.popleft()[0])
+            self._give_back(expired)
 
 
 class WorkerRun:
@@ -97,7 +255,7 @@ class WorkerRun:
         self.worker_id = runner.client_id  # the id the master knows this worker by
         self.workload = build_workload(self.profile)
         self.renderer = Renderer(self.profile.target.tokenizer)
-        self.tickets = RemoteTickets(runner)
+        self.tickets = RemoteTickets(self, runner, open_loop=profile.load.model == "open")
         run_dir = Path(agent.out_root) / self.run_id
         (run_dir / SPILL_DIR).mkdir(parents=True, exist_ok=True)
         if not (run_dir / MANIFEST).exists():  # another host than the master's: make the spill reportable
@@ -105,6 +263,8 @@ class WorkerRun:
             write_manifest(run_dir, manifest)
         self.spill = RecordWriter(run_dir / SPILL_DIR, spill_name(self.worker_id))
         self.pending: list[RequestRecord] = []
+        self.starts: list[int] = []  # tickets handed to users, not yet reported to the master
+        self.next_flush = Event()  # set once the batch carrying the starts noted so far is on the wire
         self.seq = 0
         self.wake = Event()
         self.shipping = False
@@ -117,24 +277,54 @@ class WorkerRun:
         self.pending.append(rec)
         self.wake.set()
 
+    def note_started(self, index: int) -> Event:
+        """A user took ticket ``index``: it goes to the master in the next batch; the Event is set once that
+        batch is on the wire."""
+        self.starts.append(index)
+        self.wake.set()
+        return self.next_flush
+
     def _ship(self) -> None:
-        """Sends every pending record as one batch as soon as there is any (batches form by themselves
-        when records complete together)."""
+        """Sends every pending record, and every ticket started, as one batch as soon as there is any
+        (batches form by themselves when records complete together; in a closed loop a user takes its next
+        ticket right after its record, so the two travel together)."""
         runner = self.agent.environment.runner
         while True:
             self.wake.wait()
             self.wake.clear()
-            while self.pending:
+            while self.pending or self.starts:
                 batch, self.pending = self.pending, []
+                starts, self.starts = self.starts, []
+                flushed, self.next_flush = self.next_flush, Event()
                 self.shipping = True
-                RecordBatch.of(self.seq, batch).send(runner)
-                self.shipping = False
+                try:
+                    RecordBatch.of(self.seq, batch, starts).send(runner)
+                finally:
+                    self.shipping = False
+                    flushed.set()
                 self.seq += 1
 
+    def unsent(self, ticket: Ticket) -> None:
+        """Records a ticket's every index as cancelled before it was sent."""
+        for index in range(ticket.index, ticket.index + ticket.turns):
+            self.record(
+                RequestRecord(
+                    index=index,
+                    phase=ticket.phase,
+                    api=self.api,
+                    worker_id=self.worker_id,
+                    user_id=-1,
+                    t_send_wall=time.time(),
+                    outcome=CANCELLED,
+                    error="the run stopped before the request was sent",
+                )  # fmt: skip
+            )
+
     def flushed(self) -> bool:
-        return not self.pending and not self.shipping
+        return not self.pending and not self.starts and not self.shipping
 
     def close(self) -> None:
+        self.tickets.stopped = True
         self.monitor.stop()
         self.spill.close()
 
@@ -148,12 +338,13 @@ class WorkerAgent:
         self.out_root = environment.parsed_options.out  # the worker's own --out (the master's differs later)
         self.run: WorkerRun | None = None
         self._pongs: list[tuple[float, float, float]] = []
+        self._clock_reported = False
         self.clock_offset_s = 0.0  # the master's clock minus this worker's (open-loop due times)
         listen(
             runner,
             {
                 RunInfo: self._on_run,
-                TicketReply: self._on_ticket,
+                TicketBlock: self._on_tickets,
                 Drain: self._on_drain,
                 Pong: self._on_pong,
             },
@@ -188,43 +379,31 @@ class WorkerAgent:
         Failed(error=error).send(self.environment.runner)
         self.environment.process_exit_code = exits.TARGET
 
-    def _on_ticket(self, _master: str, reply: TicketReply) -> None:
+    def _on_tickets(self, _master: str, block: TicketBlock) -> None:
         run = self.run
-        if run is None:
+        if run is None:  # cannot happen (the run comes first); the tickets must not stay out
+            ReturnTickets(indices=[t[0] for t in block.tickets]).send(self.environment.runner)
             return
-        ticket = reply.ticket(self.clock_offset_s)  # the due time on this worker's clock
-        waiter = run.tickets.waiting.get(reply.id)
-        if waiter is not None:
-            waiter.set(ticket)
-        elif ticket is not None:  # the user stopped while waiting: each index still needs its one record
-            for index in range(ticket.index, ticket.index + ticket.turns):
-                run.record(
-                    RequestRecord(
-                        index=index,
-                        phase=ticket.phase,
-                        api=run.api,
-                        worker_id=run.worker_id,
-                        user_id=-1,
-                        t_send_wall=time.time(),
-                        outcome=CANCELLED,
-                        error="the run stopped before the request was sent",
-                    )  # fmt: skip
-                )
+        run.tickets.on_block(block, self.clock_offset_s)  # due times on this worker's clock
 
     def _on_drain(self, _master: str, _drain: Drain) -> None:
         gevent.spawn(self._drain)
 
     def _drain(self) -> None:
         runner = self.environment.runner
+        self._report_clock()  # before Drained: the master finalizes on it
         calibration = self.run.monitor.stop() if self.run is not None else None
         runner.user_greenlets.kill(block=True, timeout=10)  # in-flight requests end as cancelled records
         run = self.run
         if run is None:
             Drained(last_seq=-1).send(runner)
             return
+        tickets = run.tickets
+        tickets.stop()  # the unused stock goes back (the master counts it as never handed out)
         while not run.flushed():
             gevent.sleep(0.01)
-        Drained(last_seq=run.seq - 1, calibration=calibration).send(runner)
+        Drained(last_seq=run.seq - 1, calibration=calibration, takes=tickets.measured_takes,
+                ticket_wait_s=tickets.ticket_wait_s + tickets.report_wait_s, asks=tickets.asks, empty_takes=tickets.empty_takes).send(runner)  # fmt: skip
 
     def _sync_clock(self) -> None:
         """NTP-style: the master's clock minus ours at the midpoint of the fastest of a few round trips."""
@@ -232,13 +411,19 @@ class WorkerAgent:
         for _ in range(CLOCK_PINGS):
             Ping(t0=time.time()).send(runner)
             gevent.sleep(0.2)
-        if not self._pongs:
+        self._report_clock()
+
+    def _report_clock(self) -> None:
+        """Sends the estimate once, from the pongs so far (also from the drain: a run shorter than the
+        pings still gets every worker's clock into its manifest)."""
+        if self._clock_reported or not self._pongs:
             return
+        self._clock_reported = True
         t0, t_master, t1 = min(self._pongs, key=lambda p: p[2] - p[0])
         self.clock_offset_s = t_master - (t0 + t1) / 2
         ClockReport(
-            clock_offset_s=t_master - (t0 + t1) / 2, rtt_s=t1 - t0, host=socket.gethostname(), pid=os.getpid()
-        ).send(runner)
+            clock_offset_s=self.clock_offset_s, rtt_s=t1 - t0, host=socket.gethostname(), pid=os.getpid()
+        ).send(self.environment.runner)
 
     def _on_pong(self, _master: str, pong: Pong) -> None:
         self._pongs.append((pong.t0, pong.t_master, time.time()))
