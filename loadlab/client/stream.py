@@ -24,6 +24,7 @@ from geventhttpclient import HTTPClient
 from geventhttpclient.response import HTTPConnectionClosed, HTTPParseError
 
 from loadlab.client import lean
+from loadlab.manifest import ReceiptInfo
 from loadlab.records import (
     CONNECT_ERROR,
     DROPPED,
@@ -68,6 +69,27 @@ class Exchange:
     # sglang-router's x-smg-error-code: a front's own answer), None
     kernel_reads: int = 0  # reads of body bytes timed by the kernel's receive timestamp
     user_reads: int = 0  # reads of body bytes (geventhttpclient: lines) timed in user space
+
+
+def receipt_setup(base_url: str, reader: str, clock: str) -> tuple[str, str, str | None]:
+    """(reader, clock, fallback) a StreamingClient for ``base_url`` uses when asked for ``reader`` and
+    ``clock``: https goes through geventhttpclient, timed in user space; the kernel clock falls back to user
+    space where the platform gives no receive timestamps. ``fallback``: why the kernel is not used when
+    asked for (None otherwise)."""
+    used = GEVENTHTTPCLIENT if urlsplit(base_url).scheme == "https" else reader
+    if clock != lean.KERNEL:
+        return used, lean.USER, None
+    if used != LEAN:
+        why = "https: TLS is read by the ssl module" if reader == LEAN else "the geventhttpclient reader"
+        return used, lean.USER, f"{why}: no receive timestamps, user space"
+    ok, why = lean.kernel_timestamps_available()
+    return (used, lean.KERNEL, None) if ok else (used, lean.USER, f"{why}: user space")
+
+
+def receipt_info(target, base_url: str) -> ReceiptInfo:
+    """The manifest's ``receipt``: what a run's users (``target``: the profile's TargetConfig) time with."""
+    reader, clock, fallback = receipt_setup(base_url, target.reader, target.receipt_clock)
+    return ReceiptInfo(reader=reader, clock_requested=target.receipt_clock, clock=clock, fallback=fallback)
 
 
 class StreamingClient:
