@@ -43,6 +43,7 @@ SCM_TIMESTAMPNS = getattr(socket, "SCM_TIMESTAMPNS", SO_TIMESTAMPNS)
 _TIMESPEC = struct.Struct("@qq")  # struct timespec: tv_sec, tv_nsec (64-bit longs)
 ANC_SIZE = socket.CMSG_SPACE(_TIMESPEC.size) if hasattr(socket, "CMSG_SPACE") else 0
 NS = 1_000_000_000
+STEP_S = 0.001  # a kernel time this far after the user-space one is a wall clock step, not a receipt
 KERNEL, USER = "kernel", "user"
 
 
@@ -58,16 +59,25 @@ class ParseError(ConnectionError):
     """The peer's bytes are not HTTP/1.1."""
 
 
+_KEEPER: socket.socket | None = None
+
+
 def kernel_timestamps_available() -> tuple[bool, str | None]:
     """Whether this platform gives receive timestamps on a TCP socket (``SO_TIMESTAMPNS`` and ``recvmsg``),
     and if not, why."""
     if SO_TIMESTAMPNS is None or not hasattr(socket.socket, "recvmsg") or not ANC_SIZE:
         return False, f"{sys.platform}: no SO_TIMESTAMPNS / recvmsg"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-    except OSError as e:
-        return False, f"SO_TIMESTAMPNS refused: {e}"
+    global _KEEPER
+    if _KEEPER is None:
+        try:
+            keeper = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            keeper.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        except OSError as e:
+            return False, f"SO_TIMESTAMPNS refused: {e}"
+        # Kept open for the process's life: Linux stamps received packets only while some socket asks
+        # for it, and switches that on lazily (a deferred static key), so the first packets of the
+        # first connections would otherwise come without a timestamp.
+        _KEEPER = keeper
     return True, None
 
 
@@ -202,9 +212,13 @@ class LeanConnection:
 
     def fill(self, feed, stream: Stream) -> tuple[float, bool]:
         """One read: waits until the socket is readable (unless the last read filled the buffer), takes
-        everything it holds with one ``recvmsg`` and feeds it to the parser. Returns the read's receipt
-        time (perf_counter clock) and whether the kernel gave it. Raises Closed (EOF before the end of the
-        response), ParseError, OSError."""
+        everything it holds with one ``recvmsg`` and feeds it to the parser. Returns the read's receipt time
+        (perf_counter clock) and whether the kernel gave it. Raises Closed (EOF before the end of the
+        response), ParseError, OSError.
+
+        Reads that stop at chunk ends would not give queued events their own times: Linux merges a
+        packet into the one still queued before it (``tcp_try_coalesce``) and keeps the later timestamp
+        only, so what a late reader finds queued has one time, the last packet's, however it is read."""
         perf = time.perf_counter
         while True:
             if not self._more:
@@ -229,8 +243,8 @@ class LeanConnection:
         if ancdata:
             sec, nsec = _TIMESPEC.unpack_from(ancdata[0][2])
             tk = (sec * NS + nsec - self.offset.ns) / NS
-            if tk <= t:  # else the wall clock was stepped since the offset was taken: the user time
-                t, kernel = tk, True
+            if tk <= t + STEP_S:  # else the wall clock was stepped since the offset was taken: user time
+                t, kernel = min(tk, t), True  # tk a hair after t: the offset's own error (~0.1 us)
         try:
             feed(data)
         except httptools.HttpParserError as e:
