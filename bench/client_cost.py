@@ -72,7 +72,16 @@ REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "tests" / "profiles" / "timing.yaml"
 NAIVE = REPO / "bench" / "naive_locustfile.py"
 SAMPLE_S = 0.05
-KINDS = ("loadlab", "naive")
+# loadlab: the lean reader timed by the kernel (the default); loadlab-user: the lean reader timed in user
+# space; loadlab-ghc: the geventhttpclient reader (user space, the reader before the lean one); naive: a
+# FastHttpUser; bench_serving: SGLang's bench_serving (--bench-serving CMD, its own venv)
+KINDS = ("loadlab", "loadlab-user", "loadlab-ghc", "naive", "bench_serving")
+LOADLAB_SETS = {
+    "loadlab": ["target.reader=lean", "target.receipt_clock=kernel"],
+    "loadlab-user": ["target.reader=lean", "target.receipt_clock=user"],
+    "loadlab-ghc": ["target.reader=geventhttpclient", "target.receipt_clock=user"],
+}
+BUSY = "while True: pass"
 
 
 def num(value) -> float:
@@ -130,10 +139,14 @@ def per_user(args, users: int) -> int:
     return max(args.requests_per_user, -(-args.min_requests // users))
 
 
-def run_loadlab(args, url: str, out: Path, users: int) -> tuple[subprocess.Popen, callable]:
+def run_loadlab(
+    args, url: str, out: Path, users: int, kind: str = "loadlab"
+) -> tuple[subprocess.Popen, callable]:
     cmd = [sys.executable, "-m", "loadlab", "run", str(PROFILE), "--host", f"{url}/case/normal",
            "--out", str(out), "--concurrency", str(users), "--warmup-requests", str(users),
            "--num-requests", str(per_user(args, users) * users), "--output-len", str(args.tokens)]  # fmt: skip
+    for item in LOADLAB_SETS[kind]:
+        cmd += ["--set", item]
     if args.client_limit_ms is not None:
         cmd += ["--client-limit-ms", str(args.client_limit_ms)]
     if args.client_limit_cpu is not None:
@@ -145,7 +158,7 @@ def run_loadlab(args, url: str, out: Path, users: int) -> tuple[subprocess.Popen
     def collect(stdout: str) -> tuple[pd.DataFrame, dict]:
         run_dir = Path(stdout.strip().splitlines()[-1])
         summary = orjson.loads((run_dir / "summary.json").read_bytes())
-        return load_records(run_dir), summary.get("client") or {}
+        return load_records(run_dir), {**(summary.get("client") or {}), "receipt": summary.get("receipt")}
 
     return proc, collect
 
@@ -168,9 +181,72 @@ def run_naive(args, url: str, out: Path, users: int) -> tuple[subprocess.Popen, 
     return proc, collect
 
 
+def run_bench_serving(args, url: str, users: int) -> subprocess.Popen:
+    """SGLang's bench_serving (--bench-serving: the command that runs it, in a venv of its own) at ``users``
+    concurrency: the same request count and output length, random-ids prompts of 16 tokens (a local
+    tokenizer, --bench-serving-tokenizer), the native /generate API, as fast as the concurrency allows."""
+    n = per_user(args, users) * users
+    cmd = [*args.bench_serving.split(), "--backend", "sglang", "--base-url", f"{url}/case/normal",
+           "--dataset-name", "random-ids", "--tokenizer", args.bench_serving_tokenizer,
+           "--model", "scripted-model", "--num-prompts", str(n), "--max-concurrency", str(users),
+           "--random-input-len", "16", "--random-output-len", str(args.tokens), "--random-range-ratio", "1",
+           "--disable-tqdm", "--warmup-requests", str(users)]  # fmt: skip
+    return subprocess.Popen(
+        pinned(cmd, args.client_cpu), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/tmp"
+    )
+
+
+def one_bench_serving(args, server: ServerProcess, log: ServerLog, users: int) -> dict:
+    """bench_serving has no per-request ids to join: its events and window come from the server's log (the
+    requests it received after it started; the window: from its first measured send + 1 s to its last
+    write - 0.5 s, so start-up, warm-up and the tail are left out)."""
+    before = set(log.read())
+    started = time.time()
+    proc = run_bench_serving(args, server.url, users)
+    sampler = CpuSampler(server.proc.pid, lambda: {proc.pid: "client"}, SAMPLE_S)
+    try:
+        _stdout, stderr = proc.communicate(timeout=args.timeout_s + 120)
+    finally:
+        sampler.finish()
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench_serving at {users} users exited {proc.returncode}:\n{stderr[-2000:]}")
+    entries = [e for k, e in log.read().items() if k not in before and e["recv_wall"] >= started]
+    recvs = sorted(e["recv_wall"] for e in entries)
+    writes = np.sort(np.concatenate([np.asarray(e["write_wall"], dtype=float) for e in entries]))
+    t0, t1 = recvs[min(users, len(recvs) - 1)] + 1.0, float(writes[-1]) - 0.5
+    if t1 <= t0 + 1.0:
+        raise RuntimeError(
+            f"bench_serving at {users} users: a run too short to measure (raise --min-requests)"
+        )
+    events = int(np.count_nonzero((writes >= t0) & (writes <= t1)))
+    client_s = sampler.role_used({"client"}, t0, t1)
+    server_s = sampler.used(server.proc.pid, t0, t1)
+    span = t1 - t0
+    nan4 = [float("nan")] * 4
+    return {
+        "ideal": users * args.tokens * 1000.0 / (args.ttft_ms + (args.tokens - 1) * args.gap_ms),
+        "events_s": events / span,
+        "client": 100.0 * client_s / span,
+        "us_event": 1e6 * client_s / max(events, 1),
+        "server": 100.0 * server_s / span,
+        "rest": 100.0 * sampler.used(MACHINE, t0, t1) / span - 100.0 * (client_s + server_s) / span,
+        "ttft": nan4,
+        "itl": nan4,
+        "probe": float("nan"),
+        "self_cpu": float("nan"),
+        "bound": None,
+        "coalesced": float("nan"),
+        "kernel": float("nan"),
+    }
+
+
 def one_run(args, server: ServerProcess, log: ServerLog, out: Path, kind: str, users: int) -> dict:
-    start = run_loadlab if kind == "loadlab" else run_naive
-    proc, collect = start(args, server.url, out, users)
+    if kind == "bench_serving":
+        return one_bench_serving(args, server, log, users)
+    if kind == "naive":
+        proc, collect = run_naive(args, server.url, out, users)
+    else:
+        proc, collect = run_loadlab(args, server.url, out, users, kind)
     sampler = CpuSampler(
         server.proc.pid,
         lambda: {p: "client" for p in [proc.pid, *descendants(proc.pid)] if is_locust(p)},
@@ -214,12 +290,15 @@ def one_run(args, server: ServerProcess, log: ServerLog, out: Path, kind: str, u
         "probe": num(client.get("error_bound_ms")),
         "self_cpu": num(gens[0].get("cpu_mean")),
         "bound": client.get("client_bound"),
+        # the lean reader: token events that shared a read with the one before (%), requests kernel-timed
+        "coalesced": 100.0 * num((client.get("receipt") or {}).get("coalesced_event_fraction")),
+        "kernel": 100.0 * num((client.get("receipt") or {}).get("kernel_fraction")),
     }
 
 
 # ---- the floor: what reading the same streams costs without Locust, per reader ----------------------------
 
-FLOOR_READERS = ("epoll", "gevent", "ghc", "ghc+json")
+FLOOR_READERS = ("epoll", "gevent", "ghc", "lean", "ghc+json")
 
 
 def floor_reader(name: str, url: str, users: int, seconds: float, tokens: int) -> dict:
@@ -230,6 +309,7 @@ def floor_reader(name: str, url: str, users: int, seconds: float, tokens: int) -
       gevent    a greenlet per stream on gevent sockets, recv + count, no HTTP parsing
       ghc       loadlab's StreamingClient.post_stream (geventhttpclient, readline + perf_counter per line,
                 per-recv idle timeout), no Locust, no decoding
+      lean      the same on the lean reader (recvmsg per wake-up, kernel receipt times, httptools)
       ghc+json  the same plus json.loads of every event (what the naive user parses), still no Locust"""
     import resource
 
@@ -285,8 +365,8 @@ def floor_reader(name: str, url: str, users: int, seconds: float, tokens: int) -
 
         stamps: list[float] = []  # receipt times of the events of finished streams (ghc readers)
 
-        def ghc_user(parse: bool) -> None:
-            client = StreamingClient(f"{url}/case/normal", 10.0, 30.0, 600.0)
+        def ghc_user(parse: bool, reader: str = "geventhttpclient") -> None:
+            client = StreamingClient(f"{url}/case/normal", 10.0, 30.0, 600.0, reader=reader)
             while True:
                 ex = new_exchange()
                 client.post_stream("/generate", body, ex, keep_from=None if parse else META_KEY)
@@ -297,9 +377,8 @@ def floor_reader(name: str, url: str, users: int, seconds: float, tokens: int) -
                         if parse:
                             json.loads(line[6:])
 
-        target = {"gevent": raw_user, "ghc": lambda: ghc_user(False), "ghc+json": lambda: ghc_user(True)}[
-            name
-        ]
+        target = {"gevent": raw_user, "ghc": lambda: ghc_user(False), "ghc+json": lambda: ghc_user(True),
+                  "lean": lambda: ghc_user(False, "lean")}[name]  # fmt: skip
         for _ in range(users):
             gevent.spawn(target)
 
@@ -310,7 +389,9 @@ def floor_reader(name: str, url: str, users: int, seconds: float, tokens: int) -
     r0, n0, w0, p0 = resource.getrusage(resource.RUSAGE_SELF), count[0], time.time(), time.perf_counter()
     wait(w0 + seconds)
     r1, n1, w1, p1 = resource.getrusage(resource.RUSAGE_SELF), count[0], time.time(), time.perf_counter()
-    if name.startswith("ghc"):  # events are known when their stream ends: let the streams in flight finish
+    if (
+        name.startswith("ghc") or name == "lean"
+    ):  # events are known when their stream ends: let the streams in flight finish
         wait(time.time() + 2.0)
         n0, n1 = 0, sum(1 for t in stamps if p0 <= t <= p1)
     events = max(n1 - n0, 1)
@@ -334,20 +415,23 @@ def run_floor(args, url: str, reader: str, users: int) -> dict:
 
 
 HEADER = (
-    "kind     users  ideal ev/s  events/s  client CPU  us/event  server CPU  rest CPU"
+    "kind          users  ideal ev/s  events/s  client CPU  us/event  server CPU  rest CPU"
     "   |TTFT err| p50  p95  p99   max   |ITL err| p50  p95  p99   max   probe P99  self CPU  client-bound"
+    "  kernel%  coalesced%"
 )
 
 
 def line(kind: str, users: int, row: dict) -> str:
     nums = lambda xs: " ".join(f"{x:5.2f}" for x in xs[:3]) + f" {xs[3]:6.2f}"  # noqa: E731
     flag = {True: "yes", False: "no", None: "-"}[row["bound"]]
-    probe = f"{row['probe']:9.2f}" if kind == "loadlab" else f"{'-':>9}"
-    self_cpu = f"{row['self_cpu']:8.2f}" if kind == "loadlab" else f"{'-':>8}"
+    ours = kind.startswith("loadlab")
+    probe = f"{row['probe']:9.2f}" if ours else f"{'-':>9}"
+    self_cpu = f"{row['self_cpu']:8.2f}" if ours else f"{'-':>8}"
+    receipt = f"  {row['kernel']:7.1f}  {row['coalesced']:10.3f}" if ours else f"  {'-':>7}  {'-':>10}"
     return (
-        f"{kind:8} {users:5d} {row['ideal']:11,.0f} {row['events_s']:9,.0f} {row['client']:10.0f}%"
+        f"{kind:13} {users:5d} {row['ideal']:11,.0f} {row['events_s']:9,.0f} {row['client']:10.0f}%"
         f" {row['us_event']:9.1f} {row['server']:10.0f}% {row['rest']:8.0f}%"
-        f"   {nums(row['ttft'])}   {nums(row['itl'])}   {probe}  {self_cpu}  {flag:>12}"
+        f"   {nums(row['ttft'])}   {nums(row['itl'])}   {probe}  {self_cpu}  {flag:>12}{receipt}"
     )
 
 
@@ -364,7 +448,7 @@ def median_row(rows: list[dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, nargs="+", default=[16, 64, 128, 256])
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=["loadlab", "loadlab-ghc", "naive"])
     parser.add_argument("--requests-per-user", type=int, default=6)
     parser.add_argument("--min-requests", type=int, default=400, help="measured requests per run, at least")
     parser.add_argument("--tokens", type=int, default=64)
@@ -380,6 +464,13 @@ def main() -> int:
                         help="user counts for the reader floor (none: skip it)")  # fmt: skip
     parser.add_argument("--floor-seconds", type=float, default=5.0)
     parser.add_argument("--keep", action="store_true", help="keep the run directories and the server log")
+    parser.add_argument("--busy", action="store_true",
+                        help="one busy-loop process on the client core during the runs (a busy load generator)")  # fmt: skip
+    parser.add_argument("--bench-serving", default=None, metavar="CMD",
+                        help="the command that runs SGLang's bench_serving, e.g. '/tmp/bsvenv/bin/python "
+                        "bench/bench_serving_shim.py' (its own venv; never a loadlab dependency)")  # fmt: skip
+    parser.add_argument("--bench-serving-tokenizer", default=None, metavar="DIR",
+                        help="a local tokenizer directory for bench_serving's random-ids prompts")  # fmt: skip
     parser.add_argument("--floor-reader", choices=FLOOR_READERS, help=argparse.SUPPRESS)
     parser.add_argument("--floor-url", help=argparse.SUPPRESS)
     parser.add_argument("--floor-n", type=int, help=argparse.SUPPRESS)
@@ -409,6 +500,10 @@ def main() -> int:
     rows: dict[tuple[str, int], list[dict]] = {}
     ratios: dict[int, list[float]] = {}
     started = time.time()
+    busy = None
+    if args.busy:
+        busy = subprocess.Popen(pinned([sys.executable, "-c", BUSY], args.client_cpu))
+        print(f"# a busy-loop process (pid {busy.pid}) shares the client core", flush=True)
     try:
         for _ in range(args.repeats):
             for users in args.users:
@@ -418,7 +513,7 @@ def main() -> int:
                     rows.setdefault((kind, users), []).append(row)
                     pair[kind] = row
                     print(line(kind, users, row), flush=True)
-                if len(pair) == 2:
+                if "naive" in pair and "loadlab" in pair:
                     ratios.setdefault(users, []).append(
                         pair["naive"]["us_event"] / pair["loadlab"]["us_event"]
                     )
@@ -434,6 +529,9 @@ def main() -> int:
         print(e, file=sys.stderr)
         return 1
     finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
         finish(server, work, args.keep)
     final = {key: median_row(runs) for key, runs in rows.items()}
     if args.repeats > 1:

@@ -154,6 +154,18 @@ class ClientVerdict(_Model):
     generators: list[GeneratorCalibration] = Field(default_factory=list, description="per process")
 
 
+class ReceiptInfo(_Model):
+    reader: str = Field(
+        description="the stream reader: lean (loadlab's own) or geventhttpclient (also for https)"
+    )
+    clock_requested: str = Field(description="the profile's target.receipt_clock: kernel or user")
+    clock: str = Field(description="the clock the reader times reads with: kernel, or user when it cannot")
+    fallback: str | None = Field(
+        None,
+        description="why the kernel does not time the run although asked to (null: it does, or not asked)",
+    )
+
+
 class VirtualStats(_Model):
     virtual_duration_s: float = Field(description="simulated seconds from the first send to the last end")
     measure_start_s: float | None = Field(description="simulated time the measured phase began")
@@ -205,6 +217,9 @@ class Manifest(_Model):
     lost_in_flight: list[LostRequest] = Field(default_factory=list, description="requests lost in flight")
     load_generators: list[LoadGenerator] = Field(default_factory=list, description="distributed: per worker")
     client: ClientVerdict | None = Field(None, description="the load generators' self-calibration")
+    receipt: ReceiptInfo | None = Field(
+        None, description="how events are timed on receipt (this process's reader; null: a virtual run)"
+    )
     failure: str | None = Field(
         None, description="why the run was ended early: a worker's reason, or the target refusing the API key"
     )

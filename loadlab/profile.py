@@ -66,6 +66,15 @@ class TargetConfig(_Strict):
     tokenizer: str | None = Field(None, description="local tokenizer.json for exact text prompt lengths")
     timeout_s: float = Field(600.0, gt=0, description="deadline for a whole request")
     idle_timeout_s: float = Field(60.0, gt=0, description="longest silence allowed within a stream")
+    reader: Literal["lean", "geventhttpclient"] = Field(
+        "lean",
+        description="the stream reader: loadlab's own, or geventhttpclient's (https: always the latter)",
+    )
+    receipt_clock: Literal["kernel", "user"] = Field(
+        "kernel",
+        description="what times each event on receipt: the kernel's receive timestamp (lean reader, where the "
+        "platform has SO_TIMESTAMPNS; else user space) or user space (perf_counter() after the read)",
+    )
     metrics_interval_s: float = Field(1.0, gt=0, description="how often the server's /metrics is scraped")
     # A cluster behind a router: list every worker; the series are kept per server and summed per round.
     metrics_urls: list[str] | None = Field(

@@ -73,6 +73,14 @@ COUNTS_SPREAD = "spread"  # the server's final count spread over the chunks
 COUNTS_CHUNKS = "chunks"  # no count from the server at all: one token per chunk
 COUNTS_SOURCES = (COUNTS_SERVER, COUNTS_TOKENIZER, COUNTS_SPREAD, COUNTS_CHUNKS)
 
+# What timed a request's events on receipt (a record's receipt_clock): the kernel's receive timestamp of
+# every read (SO_TIMESTAMPNS), user space (perf_counter() once the read returned) for every read, or
+# some reads each way (the kernel gave no timestamp for some).
+CLOCK_KERNEL = "kernel"
+CLOCK_USER = "user"
+CLOCK_MIXED = "mixed"
+RECEIPT_CLOCKS = (CLOCK_KERNEL, CLOCK_USER, CLOCK_MIXED)
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -113,6 +121,8 @@ class RequestRecord:
     session: int | None = None  # a conversation's session (its spec's); None for any other workload
     turn: int | None = None  # the request's turn in its session, 1 first
     arrival_tokens_from: str = COUNTS_SERVER  # where arrival_tokens came from: a COUNTS_* above
+    receipt_clock: str | None = None  # RECEIPT_CLOCKS: what timed its events; None: no body byte read
+    coalesced_reads: int | None = None  # reads that completed 2+ token events (they share its time)
 
     def to_json_line(self) -> bytes:
         return orjson.dumps(self) + b"\n"  # orjson serialises dataclasses natively (~50x asdict)
@@ -300,6 +310,8 @@ def arrow_types() -> dict[str, Any]:
         "request_class": pa.string(),
         "session": pa.int64(),
         "turn": pa.int64(),
+        "receipt_clock": pa.string(),
+        "coalesced_reads": pa.int64(),
     }
     missing = set(RECORD_FIELDS) - set(types)
     assert not missing, f"no Arrow type for record fields {missing}"

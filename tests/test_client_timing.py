@@ -10,6 +10,7 @@ which must stay within 2 ms at P95, at 1 and at 64 users.
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -65,6 +66,8 @@ def test_client_timing(scripted_server, tmp_path, case, users, warmup, measured,
     # Every request ok, with exact token counts.
     assert (df.outcome == "ok").all(), df[df.outcome != "ok"][["index", "outcome", "error"]].to_string()
     assert (df.http_status == 200).all()
+    if sys.platform.startswith("linux"):  # the default clock: the kernel's receive timestamps
+        assert (df.receipt_clock == "kernel").all(), df.receipt_clock.value_counts().to_dict()
     for rec in df.itertuples():
         tokens = list(rec.arrival_tokens)
         assert rec.max_new_tokens == output_len

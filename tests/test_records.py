@@ -86,9 +86,8 @@ def test_attribution_fields_come_last_and_round_trip_through_parquet(tmp_path):
     )
 
     # New columns go at the end.
-    assert RECORD_FIELDS[-6:] == (
-        "served_by", "status_source", "request_class", "session", "turn", "arrival_tokens_from"
-    )  # fmt: skip
+    assert RECORD_FIELDS[-8:-3] == ("served_by", "status_source", "request_class", "session", "turn")
+    assert RECORD_FIELDS[-3:] == ("arrival_tokens_from", "receipt_clock", "coalesced_reads")
     assert STATUS_SOURCES == ("worker", "front")
     base = dict(phase="measure", api="generate", worker_id="h:1", user_id=0, t_send_wall=1.0)
     writer = RecordWriter(tmp_path)

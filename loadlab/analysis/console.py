@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadlab.analysis.report import slo_lines
+from loadlab.analysis.report import receipt_line, slo_lines
 from loadlab.analysis.summary import LatencyStats, Summary, itl_estimated, itl_notes
 
 WIDTH = 78
@@ -67,6 +67,9 @@ def render_console(s: Summary, report: Path | None = None) -> str:
     for finding in s.findings:
         title, _ = finding.parts()
         lines.append(f"Finding: {title} (summary.md says why)")
+    receipt = receipt_line(s)
+    if receipt:
+        lines.append(receipt)
     if s.client is not None and s.client.client_bound:
         lines.append("CLIENT-BOUND: " + "; ".join(s.client.reasons))
     if report is not None:

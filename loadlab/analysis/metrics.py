@@ -230,6 +230,7 @@ class _FromManifest:
     profile: dict[str, Any] | None = None  # the resolved profile: the workload behind the expected cache hits
     virtual_peak_usage: float | None = None  # a virtual run's peak KV usage (it has no /metrics)
     prompt_lengths: str | None = None  # a file's workload: how its lengths were counted
+    receipt: dict[str, Any] | None = None  # the manifest's receipt (reader, clocks, fallback)
 
 
 def _from_manifest(manifest: Manifest | None) -> _FromManifest:
@@ -264,7 +265,51 @@ def _from_manifest(manifest: Manifest | None) -> _FromManifest:
         profile=profile,
         virtual_peak_usage=getattr(manifest.virtual_stats, "peak_token_usage_measured", None),
         prompt_lengths=getattr(manifest.workload_source, "lengths", None),
+        receipt=manifest.receipt.model_dump() if manifest.receipt is not None else None,
     )
+
+
+CLOCK_NAMES = {"kernel": "kernel", "user": "user space", "mixed": "mixed"}
+
+
+def _receipt(df, measured, ok, arrival_ms, info: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Which clock timed the measured requests (records' receipt_clock) and the reads that carried several
+    token events (records' coalesced_reads; the events, from equal arrival times). None for a run whose
+    records say nothing of it (virtual time, records written before)."""
+    clocks = _strings(df, "receipt_clock")[measured]
+    known = [c for c in clocks if c is not None]
+    if not known and info is None:
+        return None
+    kernel = sum(1 for c in known if c == "kernel")
+    if not known:
+        clock = None
+    elif kernel == len(known):
+        clock = "kernel"
+    elif all(c == "user" for c in known):
+        clock = "user space"
+    else:
+        clock = "mixed"
+    reads = _numeric(df, "coalesced_reads")[ok]
+    shared = events = 0
+    for arr in (a for a, good in zip(arrival_ms, ok, strict=True) if good):
+        if arr is not None and len(arr):
+            arr = np.asarray(arr, dtype=float)
+            events += arr.size
+            shared += int(np.count_nonzero(np.diff(arr) == 0.0))
+    info = info or {}
+    fallback = info.get("fallback")
+    if fallback is None and info.get("clock_requested") == "kernel" and known and clock != "kernel":
+        fallback = f"{len(known) - kernel} of {len(known)} requests had reads without a kernel timestamp"
+    return {
+        "clock": clock,
+        "kernel_fraction": kernel / len(known) if known else None,
+        "reader": info.get("reader"),
+        "clock_requested": info.get("clock_requested"),
+        "fallback": fallback,
+        "coalesced_reads": int(np.nansum(reads)) if reads.size else 0,
+        "coalesced_events": shared,
+        "coalesced_event_fraction": shared / events if events else None,
+    }
 
 
 def compute_summary(
@@ -519,6 +564,7 @@ def compute_summary(
         server["mean_queue_time_ms"] = summary["mean_server_queue_ms"]
         server["queue_time_source"] = "meta_info"
     summary["slo"] = evaluate_slo(run.slo, samples, summary["failed"])
+    summary["receipt"] = _receipt(df, measured, ok, arrival_ms, run.receipt)
 
     def goodput_of(slo: Any, mine: np.ndarray) -> dict[str, Any]:
         limits = verdicts.goodput_limits(slo_objectives(slo)[0])

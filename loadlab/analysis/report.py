@@ -251,6 +251,32 @@ def _outage_lines(s: Summary) -> list[str]:
     return lines
 
 
+def receipt_line(s: Summary) -> str | None:
+    """Which clock timed the run's events, and the coalesced reads, in one sentence (summary.md, console)."""
+    r = s.receipt
+    if r is None:
+        return None
+    if r.clock == "kernel":
+        clock = "the kernel's receive timestamps (SO_TIMESTAMPNS)"
+    elif r.clock == "mixed":
+        share = f"{r.kernel_fraction:.1%}" if r.kernel_fraction is not None else "some"
+        clock = f"mixed: the kernel for {share} of the requests, user space for the rest"
+    elif r.clock == "user space":
+        clock = "user space (perf_counter() after each read)"
+    else:
+        clock = "unknown (no record says)"
+    reader = f", {r.reader} reader" if r.reader else ""
+    line = f"Receipt clock: {clock}{reader}."
+    if r.fallback:
+        line += f" Kernel clock not used: {r.fallback}."
+    if r.coalesced_event_fraction is not None:
+        line += (
+            f" Coalesced reads: {r.coalesced_reads} ({r.coalesced_events} token events, "
+            f"{r.coalesced_event_fraction:.2%}, shared a read with the event before: their gap reads 0)."
+        )
+    return line
+
+
 def _client_lines(client: Client | None) -> list[str]:
     """The load generator's own timing quality, beside the latencies it qualifies."""
     if client is None:
@@ -447,6 +473,9 @@ def render_markdown(s: Summary) -> str:
         title, text = note.split(": ", 1)
         lines += [f"> **{title}**: {text}", ""]
     lines += _client_lines(s.client)
+    receipt = receipt_line(s)
+    if receipt:
+        lines += [receipt, ""]
     lines += _finding_lines([f for f in s.findings if f.kind != "over_capacity"])
 
     lines += ["## Throughput", ""]

@@ -255,6 +255,36 @@ class Client(_Model):
     generators: list[Generator] = Field(description="Each load-generator process.")
 
 
+class Receipt(_Model):
+    """Which clock timed the events on receipt, and how often one read carried several token events."""
+
+    clock: Literal["kernel", "user space", "mixed"] | None = Field(
+        description="What timed the measured requests' reads: the kernel's receive timestamps, user space "
+        "(perf_counter() after the read), or mixed (some of each); null: no record says."
+    )
+    kernel_fraction: float | None = Field(
+        description="Measured requests whose every read the kernel timed, over those with a receipt clock."
+    )
+    reader: str | None = Field(
+        description="The stream reader (manifest receipt.reader): lean or geventhttpclient."
+    )
+    clock_requested: str | None = Field(description="The profile's target.receipt_clock: kernel or user.")
+    fallback: str | None = Field(
+        description="Why the kernel did not time the run though asked to (the manifest's, or the records'); "
+        "null when it did or was not asked."
+    )
+    coalesced_reads: int = Field(
+        description="Reads that completed two or more token events of a completed measured request (those "
+        "events share the read's time: their gap reads 0)."
+    )
+    coalesced_events: int = Field(
+        description="Token events that shared a read with an earlier event of their request."
+    )
+    coalesced_event_fraction: float | None = Field(
+        description="coalesced_events over the completed measured requests' token events."
+    )
+
+
 class SloObjective(_Model):
     """One objective of the profile's slo mapping and its verdict."""
 
@@ -505,6 +535,11 @@ class Summary(_FlatLatency, _Goodput):
     lost_in_flight_by_worker: dict[str, int] = Field(description="Lost requests per worker.")
     load_generators: int = Field(description="Load-generator processes (1 for a one-process run).")
     client: Client | None = Field(description="The load generators' self-calibration; null without one.")
+    receipt: Receipt | None = Field(
+        None,
+        description="Which clock timed the run's events and the coalesced reads; null for virtual runs "
+        "and summaries written before it.",
+    )
     server: Server = Field(description="The target's /metrics over the measured window.")
     workers: list[Worker] = Field(
         default_factory=list,

@@ -6,7 +6,17 @@ import time
 
 from loadlab.client.protocol import META_KEY, build_body, class_headers, decode_stream, error_from_body
 from loadlab.client.stream import Exchange, StreamingClient
-from loadlab.records import CANCELLED, HTTP_ERROR, OK, PROTOCOL_ERROR, REJECTED, RequestRecord
+from loadlab.records import (
+    CANCELLED,
+    CLOCK_KERNEL,
+    CLOCK_MIXED,
+    CLOCK_USER,
+    HTTP_ERROR,
+    OK,
+    PROTOCOL_ERROR,
+    REJECTED,
+    RequestRecord,
+)
 
 
 def new_exchange() -> Exchange:
@@ -21,6 +31,20 @@ def send(
     path, body = build_body(api, spec, renderer, model, rid, prompt)
     keep_from = META_KEY if api == "generate" else None
     client.post_stream(path, body, ex, keep_from=keep_from, headers=class_headers(spec))
+
+
+def coalesced_reads(times: list[float]) -> int:
+    """Reads that completed more than one token event: the reader gives every line a read completes that
+    read's time, so such events have equal times (two reads never do: their clocks tick in ns)."""
+    n, prev, run = 0, None, False
+    for t in times:
+        if t == prev:
+            if not run:
+                n += 1
+                run = True
+        else:
+            prev, run = t, False
+    return n
 
 
 def to_record(
@@ -48,6 +72,9 @@ def to_record(
         session=spec.session,
         turn=spec.turn,
     )
+    if ex.kernel_reads or ex.user_reads:
+        both = ex.kernel_reads and ex.user_reads
+        rec.receipt_clock = CLOCK_MIXED if both else (CLOCK_KERNEL if ex.kernel_reads else CLOCK_USER)
     t_end = ex.t_end if ex.t_end is not None else time.perf_counter()
     rec.e2e_ms = (t_end - ex.t_send) * 1000.0
     if ex.transport == HTTP_ERROR:
@@ -67,6 +94,7 @@ def to_record(
     rec.arrival_ms = [(t - t0) * 1000.0 for t in decoded.arrival_times]
     rec.arrival_tokens = decoded.arrival_tokens
     rec.ttft_ms = rec.arrival_ms[0] if rec.arrival_ms else None
+    rec.coalesced_reads = coalesced_reads(decoded.arrival_times)
     rec.tokens_per_event_exact = decoded.tokens_per_event_exact
     rec.arrival_tokens_from = decoded.arrival_tokens_from
     rec.server_id = decoded.server_id

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import gevent
 import locust
 
+from loadlab.client.stream import receipt_info
 from loadlab.load import describe_load, tickets_for
 from loadlab.manifest import (
     ClientVerdict,
@@ -111,6 +112,7 @@ class Run:
             ),
             versions=software_versions(locust=locust.__version__, gevent=gevent.__version__),
             command=redact(list(argv), api_key),  # a key given on a command line stays out of it
+            receipt=receipt_info(profile.target, target.url),
         )
         write_manifest(self.dir, self.manifest)
 

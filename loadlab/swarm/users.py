@@ -57,6 +57,8 @@ class SGLangUser(User):
             target.idle_timeout_s,
             target.timeout_s,
             headers=auth_headers(self.run.api_key),
+            reader=target.reader,
+            clock=target.receipt_clock,
         )
 
     def on_stop(self) -> None:

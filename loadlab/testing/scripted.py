@@ -38,6 +38,8 @@ request got. Cases (see ``CASES``):
   worker      like normal, with the attribution headers a worker behind a front sends: x-loadlab-worker
               (twice: scripted-worker-1, then scripted-worker-2) and x-loadlab-front (the worker's wins)
   front_429   HTTP 429 that a front answers itself: x-loadlab-front, no x-loadlab-worker
+  pairs       one token per event, the events two at a time in one socket write (at the second one's
+              planned time; both logged with that write's time): one read brings both
 
 The log (``--log``) gets one JSON line per request, flushed when the request ends:
 ``{"id", "case", "api", "rid", "status", "recv_wall", "write_wall": [...], "tokens": [...],
@@ -86,6 +88,7 @@ CASES = (
     "nousage",
     "worker",
     "front_429",
+    "pairs",
 )
 # The attribution headers of the worker and front_429 cases (the names as in loadlab.sim, spelt here on
 # purpose: this server shares no wire code with the twin).
@@ -406,6 +409,18 @@ class Exchange:
             data = _chunk(payload)
             if last:
                 data += b"0\r\n\r\n"
+            if case == "pairs" and k % 2 == 0 and not last:  # held back, written with the next event
+                held, held_tokens = data, n_tok
+                continue
+            if case == "pairs" and k % 2 == 1:
+                data = held + data
+                await self.sleep_until(due)
+                written = time.time() if self.write(data) else None
+                if written is None:
+                    return False
+                self.write_wall += [written, written]
+                self.tokens += [held_tokens, n_tok]
+                continue
             if case == "split":
                 written = await self.write_split(data, due)
             else:
