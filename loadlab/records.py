@@ -311,7 +311,10 @@ class TableWriter:
     The files are written under a temporary name (``.records.parquet.partial``...) and take their names at
     ``close``: a run killed meanwhile leaves only records.jsonl, as before. ``offload`` runs each group's
     writing (``offload(fn)``; it may run it later, e.g. in a native thread, returning something whose
-    ``get()`` waits for it); None: at once."""
+    ``get()`` waits for it); None: at once. At most ``BEHIND_MAX`` groups wait to be written: past that,
+    ``add`` waits for the oldest, so records that come faster than they are written cannot pile up."""
+
+    BEHIND_MAX = 2  # offloaded groups waiting to be written before adding one more waits for the oldest
 
     def __init__(self, run_dir: Path, rows: int = ROW_GROUP_ROWS, offload=None):
         import pyarrow  # noqa: F401 - heavy: loaded here, when the run starts, not at its first row group
@@ -340,6 +343,8 @@ class TableWriter:
             self._write(rows)
             return
         self._waiting = [w for w in self._waiting if w is not None and not _done(w)]
+        while len(self._waiting) >= self.BEHIND_MAX:  # records come faster than they are written: wait
+            self._waiting.pop(0).get()
         self._waiting.append(self.offload(functools.partial(self._write, rows)))
 
     def _write(self, rows: list[Any]) -> None:
