@@ -250,7 +250,9 @@ def _cmd_report(args) -> int:
         return exits.BAD_INPUT
     if not (run_dir / MANIFEST).exists():
         print(f"loadlab: {run_dir}: warning: no {MANIFEST}; SLO and load model unknown", file=sys.stderr)
-    recovered = merge_spills(run_dir, recorded_indices(run_dir))
+    # Only a distributed run's spill files can add records: the JSONL is read for its indices only then.
+    spills = run_dir / SPILL_DIR
+    recovered = merge_spills(run_dir, recorded_indices(run_dir)) if spills.is_dir() else []
     if recovered:  # a distributed run whose master died: the workers' spill files complete the records
         write_parquet(run_dir)
         manifest = read_manifest(run_dir)

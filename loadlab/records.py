@@ -7,9 +7,10 @@ readable file; ``finalize`` converts them to ``records.parquet``. The columns ar
 
 from __future__ import annotations
 
+import array
+import contextlib
 import dataclasses
 import functools
-import itertools
 import os
 import re
 import socket
@@ -18,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 RECORDS_JSONL = "records.jsonl"
@@ -175,7 +177,7 @@ def spill_name(worker_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", worker_id) + ".jsonl"
 
 
-def merge_spills(run_dir: Path, have: set[int]) -> list[dict[str, Any]]:
+def merge_spills(run_dir: Path, have: IndexSet | set[int]) -> list[dict[str, Any]]:
     """Appends to records.jsonl every record in ``run_dir/spill/*.jsonl`` whose index is not in ``have``
     (updated); returns the records added. A request is recorded once even if several files hold it."""
     spill = Path(run_dir) / SPILL_DIR
@@ -187,7 +189,7 @@ def merge_spills(run_dir: Path, have: set[int]) -> list[dict[str, Any]]:
         for path in files:
             for row in read_jsonl_records(path):
                 index = row.get("index")
-                if isinstance(index, int) and index not in have:
+                if isinstance(index, int) and index >= 0 and index not in have:
                     have.add(index)
                     out.write(orjson.dumps(row) + b"\n")
                     added.append(row)
@@ -196,79 +198,323 @@ def merge_spills(run_dir: Path, have: set[int]) -> list[dict[str, Any]]:
     return added
 
 
-def recorded_indices(run_dir: Path) -> set[int]:
+class IndexSet:
+    """A set of request indices (small non-negative ints) in one byte per index up to the largest: what a
+    run keeps of the requests it has recorded (1M of them: 1 MB, where a set of ints takes ~60 MB)."""
+
+    def __init__(self, indices=()):
+        self._bits = bytearray()
+        self._count = 0
+        for i in indices:
+            self.add(i)
+
+    def add(self, index: int) -> None:
+        if index < 0:
+            raise ValueError(f"a request index is not negative: {index}")
+        if index >= len(self._bits):
+            self._bits.extend(bytes(max(index + 1 - len(self._bits), len(self._bits))))
+        if not self._bits[index]:
+            self._bits[index] = 1
+            self._count += 1
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, int) and 0 <= index < len(self._bits) and self._bits[index] == 1
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self):
+        return (i for i, bit in enumerate(self._bits) if bit)
+
+    def issuperset(self, indices) -> bool:
+        return all(i in self for i in indices)
+
+
+_INDEX = re.compile(rb'^\{"index":(\d+),')  # how RequestRecord.to_json_line starts a line
+
+
+def recorded_indices(run_dir: Path) -> IndexSet:
+    """The indices records.jsonl holds (read from each line's start, as a run writes it; any other line is
+    parsed whole; a torn last line is skipped)."""
+    have = IndexSet()
     jsonl = Path(run_dir) / RECORDS_JSONL
-    return {row["index"] for row in read_jsonl_records(jsonl) if "index" in row} if jsonl.exists() else set()
+    if not jsonl.exists():
+        return have
+    with open(jsonl, "rb") as f:
+        for line in f:
+            match = _INDEX.match(line)
+            if match is not None and line.endswith(b"}\n"):
+                have.add(int(match.group(1)))
+                continue
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("index"), int) and row["index"] >= 0:
+                have.add(row["index"])
+    return have
 
 
-def load_records(run_dir: Path):
-    """Returns the run's records as a pandas DataFrame (Parquet if written, else the JSONL)."""
+def load_records(run_dir: Path, columns: list[str] | None = None, arrow: bool = False):
+    """Returns the run's records as a pandas DataFrame (Parquet if written, else the JSONL).
+
+    By default each per-event cell is a numpy array (Parquet) or a list (JSONL). With ``arrow`` the two
+    per-event columns stay Arrow lists (``pd.ArrowDtype``: no Python object per cell; ``arrow_events``
+    gives their flat values) and the text columns are categorical: what the post-processor reads a big run
+    with. ``columns``: only these (in this order), e.g. what a report needs."""
     import pandas as pd  # heavy: only the post-processor needs it
 
     run_dir = Path(run_dir)
+    names = list(columns) if columns is not None else list(RECORD_FIELDS)
     parquet = run_dir / RECORDS_PARQUET
+    if not arrow:
+        if parquet.exists():
+            return pd.read_parquet(parquet, columns=columns)
+        jsonl = run_dir / RECORDS_JSONL
+        if not jsonl.exists():
+            raise FileNotFoundError(f"{run_dir}: no {RECORDS_PARQUET} or {RECORDS_JSONL}")
+        rows = read_jsonl_records(jsonl)
+        return pd.DataFrame(rows, columns=list(RECORD_FIELDS))[names]
+    import pyarrow as pa  # heavy, as pandas
+    import pyarrow.parquet as pq
+
+    text = [n for n in names if arrow_types()[n] == pa.string()]
     if parquet.exists():
-        return pd.read_parquet(parquet)
-    jsonl = run_dir / RECORDS_JSONL
-    if not jsonl.exists():
-        raise FileNotFoundError(f"{run_dir}: no {RECORDS_PARQUET} or {RECORDS_JSONL}")
-    rows = read_jsonl_records(jsonl)
-    return pd.DataFrame(rows, columns=list(RECORD_FIELDS))
+        table = pq.read_table(parquet, columns=names, read_dictionary=text)
+    else:
+        jsonl = run_dir / RECORDS_JSONL
+        if not jsonl.exists():
+            raise FileNotFoundError(f"{run_dir}: no {RECORDS_PARQUET} or {RECORDS_JSONL}")
+        batches = [_arrow_table(rows, names) for rows in _jsonl_chunks(jsonl, ROW_GROUP_ROWS)]
+        table = pa.concat_tables(batches) if batches else _arrow_table([], names)
+        table = table.select(names)
+    for name in text:
+        column = table.column(name)
+        if not pa.types.is_dictionary(column.type):
+            table = table.set_column(table.schema.get_field_index(name), name, column.dictionary_encode())
+
+    def lists(arrow_type):  # the per-event columns stay Arrow: no Python object per cell
+        return pd.ArrowDtype(arrow_type) if pa.types.is_list(arrow_type) else None
+
+    return table.to_pandas(types_mapper=lists, self_destruct=True)
+
+
+def arrow_events(column):
+    """The flat values of a per-event column that ``load_records(arrow=True)`` returns, and each record's
+    number of them: (values, lengths), numpy arrays without a copy where Arrow allows it; None for a column
+    that is not an Arrow list (a DataFrame built otherwise)."""
+    import pandas as pd  # heavy: only the post-processor needs it
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not isinstance(column.dtype, pd.ArrowDtype) or not pa.types.is_list(column.dtype.pyarrow_dtype):
+        return None
+    chunked = column.array.__arrow_array__()  # the Arrow data behind the column, no copy
+    array = chunked.combine_chunks() if chunked.num_chunks != 1 else chunked.chunk(0)
+    if array.null_count == 0 and array.values.null_count == 0:  # the usual case: Arrow's own buffers
+        offsets = array.offsets.to_numpy()
+        values = array.values.to_numpy()[offsets[0] : offsets[-1]]
+        return values, np.diff(offsets).astype(np.int64)
+    lengths = pc.list_value_length(array).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = array.flatten()  # the values of the non-null lists, the array's slice taken into account
+    return values.to_numpy(zero_copy_only=False), lengths
+
+
+# Rows in one Parquet row group and CSV batch: what the process that owns a run holds before writing them.
+ROW_GROUP_ROWS = 8192
+
+
+class TableWriter:
+    """records.parquet and records.csv written as records come (the process that owns a run; a JSONL file
+    converted chunk by chunk), a row group of ``rows`` records at a time, so that no process ever holds
+    every record and the end of a run only writes the last group.
+
+    The files are written under a temporary name (``.records.parquet.partial``...) and take their names at
+    ``close``: a run killed meanwhile leaves only records.jsonl, as before. ``offload`` runs each group's
+    writing (``offload(fn)``; it may run it later, e.g. in a native thread, returning something whose
+    ``get()`` waits for it); None: at once. At most ``BEHIND_MAX`` groups wait to be written: past that,
+    ``add`` waits for the oldest, so records that come faster than they are written cannot pile up."""
+
+    BEHIND_MAX = 2  # offloaded groups waiting to be written before adding one more waits for the oldest
+
+    def __init__(self, run_dir: Path, rows: int = ROW_GROUP_ROWS, offload=None):
+        import pyarrow  # noqa: F401 - heavy: loaded here, when the run starts, not at its first row group
+
+        self.dir = Path(run_dir)
+        self.rows = rows
+        self.offload = offload
+        self.count = 0
+        self._pending: list[Any] = []  # records or JSONL rows (dicts) not written yet
+        self._waiting: list[Any] = []  # offloaded groups being written
+        self._parquet = None
+        self._csv = None
+        self.closed = False
+
+    def add(self, record: RequestRecord | dict[str, Any]) -> None:
+        self._pending.append(record)
+        self.count += 1
+        if len(self._pending) >= self.rows:
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        rows, self._pending = self._pending, []
+        if not rows:
+            return
+        if self.offload is None:
+            self._write(rows)
+            return
+        self._waiting = [w for w in self._waiting if w is not None and not _done(w)]
+        while len(self._waiting) >= self.BEHIND_MAX:  # records come faster than they are written: wait
+            self._waiting.pop(0).get()
+        self._waiting.append(self.offload(functools.partial(self._write, rows)))
+
+    def _write(self, rows: list[Any]) -> None:
+        import pyarrow.csv as pacsv
+        import pyarrow.parquet as pq
+
+        table = _arrow_table(rows, RECORD_FIELDS)
+        if self._parquet is None:
+            self._parquet = pq.ParquetWriter(self._partial(RECORDS_PARQUET), table.schema)
+        self._parquet.write_table(table)
+        table = _csv_table(table, rows)
+        if self._csv is None:
+            self._csv = pacsv.CSVWriter(self._partial(RECORDS_CSV), table.schema)
+        self._csv.write_table(table)
+
+    def _partial(self, name: str) -> Path:
+        return self.dir / f".{name}.partial"
+
+    def close(self) -> Path:
+        """Writes what is left and gives the files their names; returns records.parquet's path."""
+        if not self.closed:
+            self.closed = True
+            try:
+                self._write_pending()
+                for waiting in self._waiting:
+                    if waiting is not None:
+                        waiting.get()  # re-raises a group's failure
+            finally:
+                for writer in (self._parquet, self._csv):
+                    if writer is not None:
+                        writer.close()
+            if self._parquet is None:  # no record: the files with their columns and no row
+                self._write([])
+                self._parquet.close()
+                self._csv.close()
+            for name in (RECORDS_PARQUET, RECORDS_CSV):
+                os.replace(self._partial(name), self.dir / name)
+        return self.dir / RECORDS_PARQUET
+
+    def discard(self) -> None:
+        """Gives up the files (the caller writes them otherwise)."""
+        self.closed = True
+        for writer in (self._parquet, self._csv):
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    writer.close()
+        for name in (RECORDS_PARQUET, RECORDS_CSV):
+            self._partial(name).unlink(missing_ok=True)
+
+
+def _done(waiting: Any) -> bool:
+    ready = getattr(waiting, "ready", None)
+    return bool(ready()) if callable(ready) else False
+
+
+def _jsonl_chunks(path: Path, rows: int):
+    """A records.jsonl file's rows (dicts), ``rows`` at a time; a torn line is skipped."""
+    chunk: list[dict[str, Any]] = []
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                chunk.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                continue
+            if len(chunk) >= rows:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
 
 
 def write_parquet(run_dir: Path) -> Path:
-    """Converts records.jsonl into records.parquet (the JSONL stays as the crash-safe copy)."""
+    """Converts records.jsonl into records.parquet and records.csv, a row group at a time (the JSONL stays
+    as the crash-safe copy): what a run that did not write them as it went (or ``loadlab report`` after a
+    spill merge) does."""
     run_dir = Path(run_dir)
-    rows = read_jsonl_records(run_dir / RECORDS_JSONL) if (run_dir / RECORDS_JSONL).exists() else []
-    return _write_table(run_dir, {name: [row.get(name) for row in rows] for name in RECORD_FIELDS})
+    writer = TableWriter(run_dir)
+    jsonl = run_dir / RECORDS_JSONL
+    if jsonl.exists():
+        for chunk in _jsonl_chunks(jsonl, writer.rows):
+            for row in chunk:
+                writer.add(row)
+    return writer.close()
 
 
 def write_records(run_dir: Path, records: list[RequestRecord]) -> None:
-    """records.jsonl and records.parquet in one go, for a run that holds all its records at the end (a
-    virtual-time run has nothing to lose to a crash)."""
+    """records.jsonl, records.parquet and records.csv in one go, for a run that holds all its records at the
+    end (a virtual-time run has nothing to lose to a crash)."""
     run_dir = Path(run_dir)
     with open(run_dir / RECORDS_JSONL, "wb") as f:
         f.write(b"".join(r.to_json_line() for r in records))
-    _write_table(run_dir, {name: [getattr(r, name) for r in records] for name in RECORD_FIELDS})
+    writer = TableWriter(run_dir)
+    for record in records:
+        writer.add(record)
+    writer.close()
 
 
-def _write_table(run_dir: Path, columns: dict[str, list]) -> Path:
-    import numpy as np  # heavy imports, only when a run is finalized
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def _values(rows: list[Any], name: str) -> list[Any]:
+    if rows and all(type(r) is RequestRecord for r in rows):
+        return [getattr(r, name) for r in rows]
+    return [r.get(name) if isinstance(r, dict) else getattr(r, name, None) for r in rows]
+
+
+def _arrow_table(rows: list[Any], names):
+    """The records' columns ``names`` as an Arrow table of the Parquet types."""
+    import pyarrow as pa  # heavy imports, only when a run is finalized
 
     types = arrow_types()
     arrays = {}
-    for name, values in columns.items():
-        if name in _LIST_COLUMNS and all(v is not None for v in values):
-            # flat values + offsets: ~10x faster than pa.array on a list of lists, the same column
+    for name in names:
+        values = _values(rows, name)
+        flat = _flat(values) if name in _LIST_COLUMNS else None
+        if flat is not None:
+            # flat values + offsets: ~100x faster than pa.array on a list of lists, the same column
             offsets = np.zeros(len(values) + 1, dtype=np.int32)
             np.cumsum([len(v) for v in values], out=offsets[1:])
-            flat = np.fromiter(
-                itertools.chain.from_iterable(values), dtype=np.float64, count=int(offsets[-1])
-            )
             arrays[name] = pa.ListArray.from_arrays(
                 pa.array(offsets), pa.array(flat).cast(types[name].value_type)
             )
         else:
             arrays[name] = pa.array(values, type=types[name])
-    out = run_dir / RECORDS_PARQUET
-    table = pa.table(arrays)
-    pq.write_table(table, out)
-    _write_csv(run_dir / RECORDS_CSV, table, columns)
-    return out
+    return pa.table(arrays)
 
 
-def _write_csv(path: Path, table, columns: dict[str, list]) -> None:
-    """records.csv: every column of the Parquet table in its order; CSV has no lists, so each per-event
-    column is one cell holding a JSON array (empty when the record has none)."""
+def _flat(values: list[Any]) -> np.ndarray | None:
+    """Lists of numbers as one float array (C loops: ``array.extend`` per list); None if any is not a list
+    of numbers (then Arrow converts them one by one, nulls included)."""
+    flat = array.array("d")
+    try:
+        for v in values:
+            if type(v) is not list:
+                return None
+            flat.extend(v)
+    except TypeError:  # not a number (a JSONL file written by hand): Arrow says what is wrong
+        return None
+    return np.frombuffer(flat, dtype=np.float64) if len(flat) else np.empty(0)
+
+
+def _csv_table(table, rows: list[Any]):
+    """records.csv's columns: the Parquet table's, in its order; CSV has no lists, so each per-event column
+    is one cell holding a JSON array (empty when the record has none)."""
     import pyarrow as pa
-    import pyarrow.csv as pacsv
 
     for name in _LIST_COLUMNS:
-        cells = [orjson.dumps(v).decode() if v is not None else None for v in columns[name]]
+        cells = [orjson.dumps(v).decode() if v is not None else None for v in _values(rows, name)]
         table = table.set_column(table.schema.get_field_index(name), name, pa.array(cells, type=pa.string()))
-    pacsv.write_csv(table, path)
+    return table
 
 
 _LIST_COLUMNS = ("arrival_ms", "arrival_tokens")

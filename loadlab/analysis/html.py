@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from loadlab.analysis.metrics import record_events, strings
 from loadlab.analysis.server_metrics import gauge_series, same_server
+from loadlab.analysis.stats import Events, quantiles
 from loadlab.analysis.summary import Summary, itl_estimated, itl_notes
 from loadlab.records import MEASURE, OK
 
@@ -73,17 +75,18 @@ def _cdfs(samples: dict[str, np.ndarray], itl_label: str = "ITL (per token)"):
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
     for ax, (stem, title) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", itl_label),
                                         ("e2e_latency_ms", "E2E")), strict=True):  # fmt: skip
-        values = np.sort(np.asarray(samples.get(stem, []), dtype=float))
-        values = values[np.isfinite(values)]
+        values, count = _plotted(samples.get(stem))
+        marks = quantiles(values if count == values.size else samples.get(stem), [50, 95, 99, 99.9])
         if values.size:
             ax.plot(values, np.arange(1, values.size + 1) / values.size)
-            for q in (50, 95, 99):
-                ax.axvline(np.percentile(values, q), color="grey", lw=0.6, ls=":")
+            for mark in marks[:3]:
+                ax.axvline(mark, color="grey", lw=0.6, ls=":")
         clipped = ""
-        if values.size and values[-1] > 3 * np.percentile(values, 99.9):  # a long tail hides the body
-            ax.set_xlim(values[0], np.percentile(values, 99.9))
+        if values.size and values[-1] > 3 * marks[3]:  # a long tail hides the body
+            ax.set_xlim(values[0], marks[3])
             clipped = ", to P99.9"
-        ax.set_title(f"{title} CDF ({values.size} samples{clipped})")
+        drawn = f", the line drawn through {values.size} of them" if count > values.size else ""
+        ax.set_title(f"{title} CDF ({count} samples{clipped}{drawn})")
         ax.set_xlabel("ms")
         ax.set_ylim(0, 1.01)
         ax.grid(alpha=0.3)
@@ -91,7 +94,51 @@ def _cdfs(samples: dict[str, np.ndarray], itl_label: str = "ITL (per token)"):
     return fig
 
 
-def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]]):
+def _tokens_per_second(events: Events, t_send: np.ndarray, t0: float, span: int) -> np.ndarray:
+    """Output tokens received in each second since ``t0``: every record's token-carrying events."""
+    ts = np.repeat(t_send - t0, events.lengths)
+    sent = np.isfinite(ts)
+    at = ((ts + events.ms / 1000.0)[sent]).astype(int)
+    return np.bincount(np.clip(at, 0, span - 1), weights=events.tok[sent], minlength=span)[:span].astype(
+        float
+    )
+
+
+def _in_flight_per_second(s: np.ndarray, e: np.ndarray, span: int) -> np.ndarray:
+    """The time-weighted number of the intervals [s, e) (seconds since the first send) in flight in each
+    second [b, b + 1) of ``span``: each interval adds its part of its first and last second and 1 to every
+    second in between."""
+    s, e = s[e > s], e[e > s]
+    first, last = np.floor(s).astype(np.int64), np.floor(e).astype(np.int64)
+    same = first == last
+    out = np.zeros(span + 1)
+    for at, part in ((first[same], (e - s)[same]), (first[~same], (first + 1 - s)[~same]),
+                     (last[~same], (e - last)[~same])):  # fmt: skip
+        out += np.bincount(at, weights=part, minlength=span + 1)[: span + 1]
+    full = np.zeros(span + 2)  # +1 over (first, last): a difference array
+    np.add.at(full, first[~same] + 1, 1.0)
+    np.add.at(full, last[~same], -1.0)
+    return (out + np.cumsum(full)[: span + 1])[:span]
+
+
+def _median_per_second(second: np.ndarray, values: np.ndarray, rows: np.ndarray, span: int) -> np.ndarray:
+    """The median of ``values[rows]`` per second (``second``: each row's); NaN in a second without one."""
+    out = np.full(span, np.nan)
+    second, values = second[rows].astype(np.int64), values[rows]
+    inside = (second >= 0) & (second < span)
+    second, values = second[inside], values[inside]
+    if not second.size:
+        return out
+    order = np.lexsort((values, second))
+    second, values = second[order], values[order]
+    starts = np.flatnonzero(np.concatenate([[True], second[1:] != second[:-1]]))
+    counts = np.diff(np.append(starts, second.size))
+    low, high = starts + (counts - 1) // 2, starts + counts // 2
+    out[second[starts]] = (values[low] + values[high]) / 2  # np.median's middle pair
+    return out
+
+
+def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]], events: Events | None = None):
     import matplotlib.pyplot as plt
 
     t_send = pd.to_numeric(df["t_send_wall"], errors="coerce").to_numpy(dtype=float)
@@ -100,27 +147,14 @@ def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]]):
     end = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
     span = max(1, int(np.ceil(np.nanmax(end) - t0))) if t_send.size and np.isfinite(end).any() else 1
     seconds = np.arange(span)
-    tokens = np.zeros(span)
-    for ts, arr_ms, arr_tok in zip(t_send, df["arrival_ms"], df["arrival_tokens"], strict=True):
-        if not np.isfinite(ts) or arr_ms is None or len(arr_ms) == 0:
-            continue
-        at = ((ts - t0) + np.asarray(arr_ms, dtype=float) / 1000.0).astype(int)
-        np.add.at(tokens, np.clip(at, 0, span - 1), np.asarray(arr_tok, dtype=float))
+    tokens = _tokens_per_second(events if events is not None else record_events(df), t_send, t0, span)
     # Time-weighted requests in flight per second (every request, warm-up and failures included).
     s_rel, e_rel = t_send - t0, end - t0
     valid = np.isfinite(s_rel) & np.isfinite(e_rel)
-    s_rel, e_rel = s_rel[valid], e_rel[valid]
-    in_flight = [
-        float(np.clip(np.minimum(e_rel, b + 1) - np.maximum(s_rel, b), 0, None).sum()) for b in seconds
-    ]
+    in_flight = _in_flight_per_second(s_rel[valid], e_rel[valid], span)
     measured_ok = (df["phase"] == MEASURE).to_numpy() & (df["outcome"] == OK).to_numpy()
     ttft = pd.to_numeric(df["ttft_ms"], errors="coerce").to_numpy(dtype=float)
-    ttft_p50 = np.full(span, np.nan)
-    sent_at = np.floor(t_send - t0)
-    for s in seconds:
-        v = ttft[measured_ok & (sent_at == s) & np.isfinite(ttft)]
-        if v.size:
-            ttft_p50[s] = np.median(v)
+    ttft_p50 = _median_per_second(np.floor(t_send - t0), ttft, measured_ok & np.isfinite(ttft), span)
     fig, axes = plt.subplots(4, 1, figsize=(16, 11), sharex=True)
     axes[0].plot(seconds, tokens, drawstyle="steps-post")
     axes[0].set_ylabel("output tokens/s")
@@ -186,21 +220,15 @@ def _per_worker(df: pd.DataFrame, server_rows: list[dict[str, Any]], workers: li
     t_send = pd.to_numeric(df["t_send_wall"], errors="coerce").to_numpy(dtype=float)
     e2e = pd.to_numeric(df["e2e_ms"], errors="coerce").to_numpy(dtype=float)
     end = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
-    served = (
-        np.array([same_server(v) if isinstance(v, str) else None for v in df["served_by"]], dtype=object)
-        if "served_by" in df.columns
-        else np.full(len(df), None, dtype=object)
-    )
+    served = strings(df, "served_by")
+    names_of = {v: same_server(v) for v in set(served.tolist()) if v is not None}
+    served = np.array([names_of.get(v) for v in served.tolist()], dtype=object)
     span = max(1, int(np.ceil(np.nanmax(end) - t0))) if end.size and np.isfinite(end).any() else 1
     seconds = np.arange(span)
     for w in names:
         mine = (served == w) & np.isfinite(t_send) & np.isfinite(end)
         if mine.any():  # time-weighted requests in flight per second, every phase and outcome
-            s_rel, e_rel = t_send[mine] - t0, end[mine] - t0
-            flight = [
-                float(np.clip(np.minimum(e_rel, b + 1) - np.maximum(s_rel, b), 0, None).sum())
-                for b in seconds
-            ]
+            flight = _in_flight_per_second(t_send[mine] - t0, end[mine] - t0, span)
             axes[0].plot(seconds, flight, drawstyle="steps-post", color=colors[w], label=w)
         rows = [
             r
@@ -250,8 +278,25 @@ def class_colour(i: int) -> str:
 
 
 def _sorted_finite(values: Any) -> np.ndarray:
-    v = np.sort(np.asarray(values if values is not None else [], dtype=float))
-    return v[np.isfinite(v)]
+    return _plotted(values)[0]
+
+
+# A CDF line is drawn through this many samples at most: past it, a uniform draw of them (seeded, so a
+# report is the same each time it is made) shows the same curve, to the width of a line, at a small part of
+# the cost (sorting and drawing 100M ITL samples takes minutes). The percentile marks stay exact.
+PLOT_SAMPLES = 200_000
+
+
+def _plotted(values: Any) -> tuple[np.ndarray, int]:
+    """The sorted finite samples a CDF line is drawn through, and how many finite samples there are."""
+    v = np.asarray(values if values is not None else [], dtype=float).ravel()
+    finite = np.isfinite(v)
+    count = int(np.count_nonzero(finite))
+    if count > PLOT_SAMPLES:
+        v = v if count == v.size else v[finite]
+        return np.sort(v[np.random.default_rng(0).integers(0, v.size, PLOT_SAMPLES)]), count
+    v = np.sort(v)
+    return v[np.isfinite(v)], count
 
 
 def _class_cdfs(summary: Summary, class_samples: dict[str, dict[str, np.ndarray]]):
@@ -271,7 +316,7 @@ def _class_cdfs(summary: Summary, class_samples: dict[str, dict[str, np.ndarray]
             ax.plot(
                 values, np.arange(1, values.size + 1) / values.size, color=class_colour(i), ls=style, lw=1.8
             )
-            tail = np.percentile(values, 99.9)
+            tail = quantiles(class_samples[c.name][stem], [99.9])[0]
             top = max(top, tail if values[-1] > 3 * tail else values[-1])  # a long tail hides the body
         shown, data_top = 0, top
         for i, c in enumerate(summary.classes):
@@ -397,9 +442,11 @@ CLASS_CSS = (
 
 def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFrame,
                 server_rows: list[dict[str, Any]], markdown: str,
-                class_samples: dict[str, dict[str, np.ndarray]] | None = None) -> str:  # fmt: skip
+                class_samples: dict[str, dict[str, np.ndarray]] | None = None,
+                events: Events | None = None) -> str:  # fmt: skip
     """The page. With SLO classes it opens with the per-class section (``class_samples``: each class's
-    samples, as ``compute_summary`` gives them); without, the page has no trace of them."""
+    samples, as ``compute_summary`` gives them); without, the page has no trace of them. ``events``: the
+    records' events (``record_events(df)``) when the caller has them already."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -408,7 +455,7 @@ def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFra
     workers = [w.served_by for w in summary.workers]
     scraped = {same_server(r["url"]) for r in server_rows if "m" in r and isinstance(r.get("url"), str)}
     itl_label = "ITL (per token, estimated)" if itl_estimated(summary) else "ITL (per token)"
-    makers = [lambda: _cdfs(samples, itl_label), lambda: _timeline(df, server_rows)]
+    makers = [lambda: _cdfs(samples, itl_label), lambda: _timeline(df, server_rows, events)]
     if workers or len(scraped) > 1:  # a cluster: each worker on its own line
         down = {w.served_by: w.unreachable_from for w in summary.workers if w.unreachable_from is not None}
         makers.append(lambda: _per_worker(df, server_rows, workers, down))

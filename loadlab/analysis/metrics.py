@@ -20,19 +20,31 @@ import pandas as pd
 from loadlab.analysis import verdicts
 from loadlab.analysis.server_metrics import gauge_peaks, outages, same_server, scrape_interval, server_summary
 from loadlab.analysis.stats import (  # the definitions, shared with the live figures (loadlab.swarm.live)
+    Described,
+    Events,
     evaluate_slo,
+    finite_quantiles,
     itl_samples,  # noqa: F401 - importable from here, as before
-    latency_samples,
+    latency_samples,  # noqa: F401
     overall_pass,
     percentile,
     pooled_events,  # noqa: F401
-    quantiles,
+    samples_of_events,
     slo_objectives,
     token_events,  # noqa: F401
 )
 from loadlab.analysis.summary import SUMMARY_SCHEMA, SUMMARY_VERSION, Summary
 from loadlab.manifest import ClientVerdict, Manifest
-from loadlab.records import COUNTS_CHUNKS, COUNTS_SERVER, MEASURE, OK, RECORD_FIELDS, STATUS_FRONT, WARMUP
+from loadlab.records import (
+    COUNTS_CHUNKS,
+    COUNTS_SERVER,
+    MEASURE,
+    OK,
+    RECORD_FIELDS,
+    STATUS_FRONT,
+    WARMUP,
+    arrow_events,
+)
 
 PERCENTILES = (90, 95, 99)
 PERCENTILE_METHOD = "exact: numpy.percentile over the raw per-request samples, linear interpolation"
@@ -56,12 +68,31 @@ def describe(samples: Any, stem: str) -> dict[str, float | None]:
     """bench_serving-style keys for one metric: mean_X, median_X, std_X, p90_X, p95_X, p99_X, min_X,
     max_X. All None when there are no samples. The median is the linear-interpolation 50th percentile
     (equal to numpy.median up to the last bit)."""
+    return _described(samples, stem)[0]
+
+
+def describe_all(samples: dict[str, Any]) -> tuple[dict[str, float | None], dict[str, Described]]:
+    """``describe`` of every metric, and each metric's samples with its percentiles (``Described``) for
+    ``evaluate_slo``, which then takes them rather than selecting again."""
+    out: dict[str, float | None] = {}
+    known: dict[str, Described] = {}
+    for stem, arr in samples.items():
+        figures, known[stem] = _described(arr, stem)
+        out.update(figures)
+    return out, known
+
+
+def _described(samples: Any, stem: str) -> tuple[dict[str, float | None], Described]:
     arr = np.asarray(samples, dtype=float).ravel()
-    arr = arr[np.isfinite(arr)]
+    finite = np.isfinite(arr)
+    if not finite.all():
+        arr = arr[finite]
+    del finite
     stats = ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES), "min", "max")
     if arr.size == 0:
-        return {f"{stat}_{stem}": None for stat in stats}
-    values = quantiles(arr, [0, 50, *PERCENTILES, 100])  # one partition
+        return {f"{stat}_{stem}": None for stat in stats}, Described(arr, {}, 0)
+    qs = [0, 50, *PERCENTILES, 100]
+    values = finite_quantiles(arr, qs)  # one selection
     out: dict[str, float | None] = {
         f"mean_{stem}": float(np.mean(arr)),
         f"median_{stem}": float(values[1]),
@@ -71,7 +102,7 @@ def describe(samples: Any, stem: str) -> dict[str, float | None]:
         out[f"p{p}_{stem}"] = float(value)
     out[f"min_{stem}"] = float(values[0])
     out[f"max_{stem}"] = float(values[-1])
-    return out
+    return out, Described(arr, dict(zip(qs, values.tolist(), strict=True)), int(arr.size))
 
 
 def in_flight(starts: Any, ends: Any, window_start: float, window_end: float) -> dict[str, float | None]:
@@ -124,16 +155,34 @@ def _numeric(df: pd.DataFrame, col: str) -> np.ndarray:
     return pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=float, na_value=np.nan)
 
 
-def _strings(df: pd.DataFrame, col: str) -> np.ndarray:
+def strings(df: pd.DataFrame, col: str) -> np.ndarray:
+    """A text column as an object array of str and None (categorical columns without Python per row)."""
     if col not in df.columns:
         return np.full(len(df), None, dtype=object)
-    return np.array([v if isinstance(v, str) else None for v in df[col].tolist()], dtype=object)
+    column = df[col]
+    if isinstance(column.dtype, pd.CategoricalDtype):  # load_records(arrow=True): no Python per row
+        categories = [v if isinstance(v, str) else None for v in column.cat.categories.tolist()]
+        return np.array([*categories, None], dtype=object)[column.cat.codes.to_numpy()]  # code -1: null
+    return np.array([v if isinstance(v, str) else None for v in column.tolist()], dtype=object)
 
 
 def _objects(df: pd.DataFrame, col: str) -> list[Any]:
     if col not in df.columns:
         return [None] * len(df)
     return df[col].tolist()
+
+
+def record_events(df: pd.DataFrame) -> Events:
+    """The records' token-carrying events: from Arrow's flat values when the DataFrame holds them
+    (``load_records(arrow=True)``), else from the per-record lists or arrays."""
+    if "arrival_ms" not in df.columns:
+        none = np.zeros(len(df), dtype=np.int64)
+        return Events(np.empty(0), none, np.empty(0), none)
+    ms = arrow_events(df["arrival_ms"])
+    tok = arrow_events(df["arrival_tokens"]) if "arrival_tokens" in df.columns else None
+    if ms is not None and tok is not None:
+        return Events(ms[0], ms[1], tok[0], tok[1])
+    return Events.of_lists(_objects(df, "arrival_ms"), _objects(df, "arrival_tokens"))
 
 
 def _objects_array(df: pd.DataFrame, col: str) -> np.ndarray:
@@ -158,6 +207,8 @@ def counts_from(df: pd.DataFrame, rows: np.ndarray, exact: np.ndarray) -> dict[s
 def _bools(df: pd.DataFrame, col: str, default: bool) -> np.ndarray:
     if col not in df.columns:
         return np.full(len(df), default)
+    if df[col].dtype == bool:  # no nulls
+        return df[col].to_numpy()
     return np.array(
         [
             default if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) else bool(v)
@@ -272,43 +323,42 @@ def _from_manifest(manifest: Manifest | None) -> _FromManifest:
 CLOCK_NAMES = {"kernel": "kernel", "user": "user space", "mixed": "mixed"}
 
 
-def _receipt(df, measured, ok, arrival_ms, info: dict[str, Any] | None) -> dict[str, Any] | None:
+def _receipt(df, measured, ok, events: Events, info: dict[str, Any] | None) -> dict[str, Any] | None:
     """Which clock timed the measured requests (records' receipt_clock) and the reads that carried several
-    token events (records' coalesced_reads; the events, from equal arrival times). None for a run whose
-    records say nothing of it (virtual time, records written before)."""
-    clocks = _strings(df, "receipt_clock")[measured]
-    known = [c for c in clocks if c is not None]
+    token events (records' coalesced_reads; the events, from equal arrival times within a request). None for
+    a run whose records say nothing of it (virtual time, records written before)."""
+    clocks = strings(df, "receipt_clock")[measured]
+    known = int(np.count_nonzero(clocks != None))  # noqa: E711 - elementwise over an object array
     if not known and info is None:
         return None
-    kernel = sum(1 for c in known if c == "kernel")
+    kernel = int(np.count_nonzero(clocks == "kernel"))
     if not known:
         clock = None
-    elif kernel == len(known):
+    elif kernel == known:
         clock = "kernel"
-    elif all(c == "user" for c in known):
+    elif int(np.count_nonzero(clocks == "user")) == known:
         clock = "user space"
     else:
         clock = "mixed"
     reads = _numeric(df, "coalesced_reads")[ok]
-    shared = events = 0
-    for arr in (a for a, good in zip(arrival_ms, ok, strict=True) if good):
-        if arr is not None and len(arr):
-            arr = np.asarray(arr, dtype=float)
-            events += arr.size
-            shared += int(np.count_nonzero(np.diff(arr) == 0.0))
+    # A later event at its predecessor's time shares its read; found in bulk: the zero gaps, then their rows.
+    zero = np.flatnonzero(events.gaps == 0.0)
+    rows = np.searchsorted(np.cumsum(events.later), zero, side="right")
+    shared = int(np.count_nonzero(ok[rows])) if zero.size else 0
+    n_events = int(events.lengths[ok].sum())
     info = info or {}
     fallback = info.get("fallback")
     if fallback is None and info.get("clock_requested") == "kernel" and known and clock != "kernel":
-        fallback = f"{len(known) - kernel} of {len(known)} requests had reads without a kernel timestamp"
+        fallback = f"{known - kernel} of {known} requests had reads without a kernel timestamp"
     return {
         "clock": clock,
-        "kernel_fraction": kernel / len(known) if known else None,
+        "kernel_fraction": kernel / known if known else None,
         "reader": info.get("reader"),
         "clock_requested": info.get("clock_requested"),
         "fallback": fallback,
         "coalesced_reads": int(np.nansum(reads)) if reads.size else 0,
         "coalesced_events": shared,
-        "coalesced_event_fraction": shared / events if events else None,
+        "coalesced_event_fraction": shared / n_events if n_events else None,
     }
 
 
@@ -318,6 +368,7 @@ def compute_summary(
     server_rows: list[dict[str, Any]] | None = None,
     samples_out: dict[str, np.ndarray] | None = None,
     class_samples_out: dict[str, dict[str, np.ndarray]] | None = None,
+    events: Events | None = None,
 ) -> Summary:
     """The run summary from its records (a DataFrame as ``load_records`` returns) and manifest.
 
@@ -325,15 +376,15 @@ def compute_summary(
     completed, total_input_tokens, ..., mean_ttft_ms, p99_itl_ms, median_e2e_latency_ms, concurrency);
     the rest are documented in docs/metrics.md and typed in ``Summary`` (summary.py). ``samples_out`` and
     ``class_samples_out`` (class name -> its samples) receive the per-request samples behind the figures,
-    for the plots.
+    for the plots. ``events``: ``record_events(df)``, when the caller has it already.
     """
     run = _from_manifest(manifest)
     if df is None:
         df = pd.DataFrame(columns=list(RECORD_FIELDS))
     df = df.reset_index(drop=True)
 
-    phase = _strings(df, "phase")
-    outcome = _strings(df, "outcome")
+    phase = strings(df, "phase")
+    outcome = strings(df, "outcome")
     measured = phase == MEASURE
     warmup = phase == WARMUP
     ok = measured & (outcome == OK)
@@ -348,8 +399,8 @@ def compute_summary(
     input_len = _numeric(df, "input_len")
     max_new_tokens = _numeric(df, "max_new_tokens")
     exact = _bools(df, "tokens_per_event_exact", True)
-    arrival_ms = _objects(df, "arrival_ms")
-    arrival_tokens = _objects(df, "arrival_tokens")
+    if events is None:  # every record's token-carrying events, flat
+        events = record_events(df)
 
     # Failures by kind.
     failures: dict[str, int] = {}
@@ -366,13 +417,7 @@ def compute_summary(
         """The latency samples of the requests ``done`` selects, and their resolved output token counts."""
         ok_idx = np.flatnonzero(done)
         ok_ttft, ok_e2e = ttft[ok_idx], e2e[ok_idx]
-        samples, ok_out = latency_samples(
-            ok_ttft,
-            ok_e2e,
-            output_tokens[ok_idx],
-            [arrival_ms[i] for i in ok_idx],
-            [arrival_tokens[i] for i in ok_idx],
-        )
+        samples, ok_out = samples_of_events(ok_ttft, ok_e2e, output_tokens[ok_idx], events.pooled(done))
         # Open loop: latency counted from when the send was due, so queueing inside the client cannot hide
         # (coordinated omission). Only when the load model scheduled sends.
         scheduled = scheduled_col[ok_idx]
@@ -440,8 +485,8 @@ def compute_summary(
     short = ok & (max_new_tokens > 0) & (out_tokens_resolved < max_new_tokens)
 
     # Per worker: the measured records each worker served (served_by, the x-loadlab-worker header).
-    served_by = _strings(df, "served_by")
-    attributed = np.array([w is not None for w in served_by], dtype=bool)
+    served_by = strings(df, "served_by")
+    attributed = np.not_equal(served_by, None)
     scrape_start = None if window_start is None else window_start - margin
     scrape_end = None if window_end is None else window_end + margin
     kv_peaks = gauge_peaks(server_rows, "sglang:token_usage", scrape_start, scrape_end)
@@ -488,7 +533,7 @@ def compute_summary(
         )
 
     # Failures a front answered itself (status_source front: the request never reached a worker), by status.
-    source = _strings(df, "status_source")
+    source = strings(df, "status_source")
     at_front = not_ok & (source == STATUS_FRONT)
     front_failures: dict[str, int] = {}
     for status, kind in zip(_numeric(df, "http_status")[at_front], outcome[at_front], strict=True):
@@ -556,15 +601,15 @@ def compute_summary(
         "percentile_method": PERCENTILE_METHOD,
         "samples": {stem: int(arr.size) for stem, arr in samples.items()},
     }
-    for stem, arr in samples.items():
-        summary.update(describe(arr, stem))
+    figures, described = describe_all(samples)
+    summary.update(figures)
     server = summary["server"]
     server["queue_time_source"] = "metrics" if server.get("mean_queue_time_ms") is not None else None
     if server["queue_time_source"] is None and "server_queue_ms" in samples:  # no /metrics: the events say
         server["mean_queue_time_ms"] = summary["mean_server_queue_ms"]
         server["queue_time_source"] = "meta_info"
-    summary["slo"] = evaluate_slo(run.slo, samples, summary["failed"])
-    summary["receipt"] = _receipt(df, measured, ok, arrival_ms, run.receipt)
+    summary["slo"] = evaluate_slo(run.slo, described, summary["failed"])
+    summary["receipt"] = _receipt(df, measured, ok, events, run.receipt)
 
     def goodput_of(slo: Any, mine: np.ndarray) -> dict[str, Any]:
         limits = verdicts.goodput_limits(slo_objectives(slo)[0])
@@ -587,7 +632,7 @@ def compute_summary(
     )
 
     # Per SLO class: its measured records alone, the same definitions, its own SLO.
-    request_class = _strings(df, "request_class")
+    request_class = strings(df, "request_class")
     profile_classes = {c["name"]: c for c in run.classes if isinstance(c, dict) and "name" in c}
     others = sorted(set(request_class[measured & (request_class != None)]) - set(profile_classes))  # noqa: E711
     summary["classes"] = []
@@ -595,6 +640,7 @@ def compute_summary(
         mine = measured & (request_class == name)
         done = mine & ok
         class_samples, class_out = samples_of(done)
+        class_figures, class_described = describe_all(class_samples)
         class_failures: dict[str, int] = {}
         for kind in outcome[mine & ~ok]:
             class_failures[kind or "unknown"] = class_failures.get(kind or "unknown", 0) + 1
@@ -612,11 +658,10 @@ def compute_summary(
             "request_throughput": per_s(int(done.sum())),
             "output_throughput": per_s(output_c),
             "samples": {stem: int(arr.size) for stem, arr in class_samples.items()},
-            "slo": evaluate_slo(slo_c, class_samples, int((mine & ~ok).sum())),
+            "slo": evaluate_slo(slo_c, class_described, int((mine & ~ok).sum())),
             **goodput_of(slo_c, mine),
         }
-        for stem, arr in class_samples.items():
-            entry.update(describe(arr, stem))
+        entry.update(class_figures)
         summary["classes"].append(entry)
         if class_samples_out is not None:  # each class's own samples, for its plots
             class_samples_out[name] = class_samples
@@ -659,7 +704,7 @@ def compute_summary(
         if run.max_concurrency is not None and has_duration
         else 0.0
     )
-    refused = verdicts.refused_for_size(_numeric(df, "http_status"), _objects_array(df, "error"), not_ok)
+    refused = verdicts.refused_for_size(_numeric(df, "http_status"), strings(df, "error"), not_ok)
     peak_usage = server.get("peak_token_usage")
     findings = [
         verdicts.overload_finding(summary["overload"], measured_requests),

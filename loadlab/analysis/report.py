@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from loadlab.analysis.html import REPORT_HTML, render_html
-from loadlab.analysis.metrics import compute_summary
+from loadlab.analysis.metrics import compute_summary, record_events
 from loadlab.analysis.server_metrics import read_server_metrics
 from loadlab.analysis.summary import (
     ESTIMATED_ROWS,
@@ -47,18 +48,47 @@ def write_report(run_dir: Path, html: bool = True) -> Summary:
         source = RECORDS_JSONL
     else:
         source = None
-    df = load_records(run_dir) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
+    with _small_pages():
+        return _write_report(run_dir, source, html)
+
+
+@contextlib.contextmanager
+def _small_pages():
+    """numpy asks the kernel for huge pages for every large array; where memory must first be compacted
+    for them (a VM, a long-running machine) each fresh gigabyte then costs seconds, and a big run's report
+    allocates many: measured on the 2-core VM, 100M-element operations took 2.5 s with them, 0.6 s
+    without (bench/RESULTS.md, issue 17). Off while the report is computed, then as it was."""
+    try:
+        from numpy._core.multiarray import _set_madvise_hugepage  # numpy 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        try:
+            from numpy.core.multiarray import _set_madvise_hugepage
+        except ImportError:
+            _set_madvise_hugepage = None
+    before = _set_madvise_hugepage(False) if _set_madvise_hugepage is not None else None
+    try:
+        yield
+    finally:
+        if _set_madvise_hugepage is not None:
+            _set_madvise_hugepage(before)
+
+
+def _write_report(run_dir: Path, source: str | None, html: bool) -> Summary:
+    # Arrow lists and categorical text: no Python object per record or per event (a million records).
+    df = load_records(run_dir, arrow=True) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
     server_rows = read_server_metrics(run_dir)
     samples: dict = {}
     class_samples: dict = {}
-    summary = compute_summary(df, read_manifest(run_dir), server_rows, samples, class_samples)
+    events = record_events(df)  # read once: the summary's samples and the timeline's tokens
+    summary = compute_summary(df, read_manifest(run_dir), server_rows, samples, class_samples, events)
     summary = summary.model_copy(update={"records_source": source})
     markdown = render_markdown(summary)
     summary.write(run_dir)
     write_atomic(run_dir / SUMMARY_MD, markdown)
     if html:  # plots take about a second
         write_atomic(
-            run_dir / REPORT_HTML, render_html(summary, samples, df, server_rows, markdown, class_samples)
+            run_dir / REPORT_HTML,
+            render_html(summary, samples, df, server_rows, markdown, class_samples, events),
         )
     return summary
 

@@ -48,12 +48,81 @@ def quantiles(samples: Any, qs: Any) -> np.ndarray | None:
     """The exact q-th percentiles (0..100) of the finite samples; None without any. Equal to
     ``numpy.percentile(samples, qs, method="linear")`` (tests/test_live.py checks it bit for bit)."""
     arr = np.asarray(samples, dtype=float).ravel()
-    arr = arr[np.isfinite(arr)]  # a copy: partitioned in place below
+    finite = np.isfinite(arr)
+    return finite_quantiles(arr if finite.all() else arr[finite], qs)
+
+
+def finite_quantiles(arr: np.ndarray, qs: Any) -> np.ndarray | None:
+    """``quantiles`` of a 1-d float array whose samples are all finite (left as it is)."""
     if arr.size == 0:
         return None
     lo, hi, gamma = linear_positions(arr.size, qs)
-    arr.partition(np.unique(np.concatenate([lo, hi])))
-    return lerp(arr[lo], arr[hi], gamma)
+    ks = np.unique(np.concatenate([lo, hi]))
+    values = dict(zip(ks.tolist(), order_statistics(arr, ks).tolist(), strict=True))
+    return lerp(np.array([values[k] for k in lo.tolist()]), np.array([values[k] for k in hi.tolist()]), gamma)
+
+
+# Above this many samples order statistics are found by bracketing (a sorted subsample says where each
+# lies; one pass counts below and gathers the few in between); below it np.partition on a copy is faster.
+BRACKET_MIN = 1 << 22
+_SUBSAMPLE = 1 << 16
+_TAIL_FROM = 0.75  # order statistics above this fraction share one bracket up to the maximum
+
+
+def order_statistics(arr: np.ndarray, ks: np.ndarray) -> np.ndarray:
+    """The ``ks``-th smallest (0-based, sorted, distinct) of ``arr`` (finite, not changed): exactly what
+    sorting it would put there.
+
+    A large array is not copied whole: a sorted strided subsample brackets each order statistic (six
+    standard deviations of its rank either side), one pass per bracket counts the samples below it and
+    gathers those inside, and np.partition finds the statistic among them. A bracket the data do not
+    bear out (the count below it is off) falls back to partitioning a copy, so the result never depends
+    on the subsample."""
+    ks = np.asarray(ks, dtype=np.intp)
+    n = arr.size
+    if n < BRACKET_MIN:
+        part = arr.copy()
+        part.partition(ks)
+        return part[ks]
+    step = max(1, n // _SUBSAMPLE)
+    sample = np.sort(arr[::step])
+    m = sample.size
+    brackets: list[list[Any]] = []  # [low value or None, high value or None, [ks]]
+    for k in ks.tolist():
+        p = k / (n - 1)
+        r = p * (m - 1)
+        margin = 6.0 * math.sqrt(m * p * (1 - p)) + 8.0
+        low_rank = math.floor(r - margin)
+        high_rank = math.ceil(r + margin)
+        low = float(sample[low_rank]) if low_rank >= 0 else None
+        high = float(sample[high_rank]) if high_rank < m and p < _TAIL_FROM else None
+        if brackets and (
+            brackets[-1][1] is None or low is None or low <= brackets[-1][1]
+        ):  # overlaps the previous one: one bracket
+            last = brackets[-1]
+            last[1] = None if (high is None or last[1] is None) else max(last[1], high)
+            last[2].append(k)
+        else:
+            brackets.append([low, high, [k]])
+    out = {}
+    for low, high, mine in brackets:
+        if low is None and high is None:
+            inside, below = arr.copy(), 0
+        elif low is None:
+            inside, below = arr[arr <= high], 0
+        else:
+            at_least = arr >= low
+            below = n - int(np.count_nonzero(at_least))
+            inside = arr[at_least & (arr <= high)] if high is not None else arr[at_least]
+            del at_least
+        local = np.array(mine, dtype=np.intp) - below
+        if local.min() < 0 or local.max() >= inside.size:  # the subsample misled: the sure way
+            part = arr.copy()
+            part.partition(ks)
+            return part[ks]
+        inside.partition(local)
+        out.update(zip(mine, inside[local].tolist(), strict=True))
+    return np.array([out[k] for k in ks.tolist()])
 
 
 def percentile(samples: Any, q: float) -> float | None:
@@ -212,41 +281,121 @@ def pooled_events(arrival_ms: list[Any], arrival_tokens: list[Any]) -> dict[str,
     Returns the pooled ITL samples (``itl_per_token``, ``itl_per_event``) and, per request,
     ``first_tokens`` (tokens in the first token-carrying event; NaN without one) and ``token_sum``.
     """
-    n_rows = len(arrival_ms)
-    ms_parts, tok_parts, lengths = [], [], np.zeros(n_rows, dtype=np.int64)
-    for row, (ms, tok) in enumerate(zip(arrival_ms, arrival_tokens, strict=True)):
-        n_ms, n_tok = _length(ms), _length(tok)
-        if n_ms == 0:
-            continue
-        if n_tok != n_ms:  # rare: no per-event counts (one token each) or a ragged pair; clean it alone
-            ms, tok = token_events(ms, tok)
-            n_ms = ms.size
-        ms_parts.append(ms)
-        tok_parts.append(tok)
-        lengths[row] = n_ms
-    total = int(lengths.sum())
-    if total:
-        flat_ms = _concat(ms_parts, total)
-        flat_tok = np.rint(_concat(tok_parts, total))
-    else:
-        flat_ms, flat_tok = np.empty(0), np.empty(0)
-    rows = np.repeat(np.arange(n_rows), lengths)
-    keep = np.isfinite(flat_ms) & np.isfinite(flat_tok) & (flat_tok > 0)
-    flat_ms, flat_tok, rows = flat_ms[keep], flat_tok[keep].astype(np.int64), rows[keep]
+    return Events.of_lists(arrival_ms, arrival_tokens).pooled()
 
-    first = np.ones(rows.size, dtype=bool)
-    first[1:] = rows[1:] != rows[:-1]
-    later = ~first
-    gaps = np.diff(flat_ms, prepend=np.nan)[later]
-    later_tok = flat_tok[later]
-    first_tokens = np.full(n_rows, np.nan)
-    first_tokens[rows[first]] = flat_tok[first]
-    return {
-        "itl_per_token": np.repeat(gaps / later_tok, later_tok) if gaps.size else np.empty(0),
-        "itl_per_event": gaps,
-        "first_tokens": first_tokens,
-        "token_sum": np.bincount(rows, weights=flat_tok, minlength=n_rows).astype(float),
-    }
+
+class Events:
+    """The token-carrying events of many requests, flat: every request's receipt times one after the other
+    (``ms``), the tokens each carried (``tok``) and each request's number of them (``lengths``), cleaned as
+    ``token_events`` cleans one request's (a request without token counts counts one per event, a ragged
+    pair is cut to the shorter, events without a token or a finite time are dropped), in numpy's bulk
+    operations: a million requests' events cost no Python per request.
+
+    ``pooled(rows)`` is ``pooled_events`` over the requests ``rows`` selects, bit for bit (the same
+    samples in the same order)."""
+
+    def __init__(self, ms: Any, ms_lengths: Any, tok: Any, tok_lengths: Any):
+        ms = np.asarray(ms, dtype=float)
+        ms_lengths = np.asarray(ms_lengths, dtype=np.int64)
+        tok = np.asarray(tok)
+        tok_lengths = np.asarray(tok_lengths, dtype=np.int64)
+        if tok.dtype.kind not in "iuf":
+            tok = tok.astype(float)
+        self.rows = ms_lengths.size
+        if not np.array_equal(ms_lengths, tok_lengths):
+            ms, tok, ms_lengths = _aligned(ms, ms_lengths, tok, tok_lengths)
+        if tok.dtype.kind == "f":
+            tok = np.rint(tok)
+            keep = np.isfinite(ms) & np.isfinite(tok) & (tok > 0)
+        else:
+            keep = np.isfinite(ms) & (tok > 0)
+        lengths = ms_lengths
+        if not keep.all():
+            lengths = np.zeros(self.rows, dtype=np.int64)
+            has = ms_lengths > 0
+            lengths[has] = np.add.reduceat(keep, _starts(ms_lengths)[has], dtype=np.int64)
+            ms, tok = ms[keep], tok[keep]
+        del keep
+        self.ms, self.tok, self.lengths = ms, tok.astype(np.int64, copy=False), lengths
+        nonempty = lengths > 0
+        first = _starts(lengths)[nonempty]
+        self.first_tokens = np.full(self.rows, np.nan)
+        self.first_tokens[nonempty] = self.tok[first]
+        self.token_sum = np.zeros(self.rows)
+        if first.size:
+            self.token_sum[nonempty] = np.add.reduceat(self.tok, first)
+        later = np.ones(ms.size, dtype=bool)
+        later[first] = False
+        self.gaps = (ms[1:] - ms[:-1])[later[1:]]  # the gap before each later event of its request
+        self.later_tok = self.tok[later]
+        self.later = np.maximum(lengths - 1, 0)  # each request's later events
+
+    @classmethod
+    def of_lists(cls, arrival_ms: list[Any], arrival_tokens: list[Any]) -> Events:
+        """From per-request lists or arrays (records as ``RequestRecord`` or a DataFrame hold them)."""
+        ms_lengths = np.fromiter((_length(v) for v in arrival_ms), dtype=np.int64, count=len(arrival_ms))
+        tok_lengths = np.fromiter(
+            (_length(v) for v in arrival_tokens), dtype=np.int64, count=len(arrival_tokens)
+        )
+        if ms_lengths.size != tok_lengths.size:
+            raise ValueError("arrival_ms and arrival_tokens: not the same number of requests")
+        ms = _flatten(arrival_ms, ms_lengths)
+        tok = _flatten(arrival_tokens, tok_lengths)
+        return cls(ms, ms_lengths, tok, tok_lengths)
+
+    def pooled(self, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """``pooled_events`` over the requests ``rows`` (a boolean mask; None: all) selects."""
+        gaps, tok = self.gaps, self.later_tok
+        first_tokens, token_sum = self.first_tokens, self.token_sum
+        if rows is not None:
+            rows = np.asarray(rows, dtype=bool)
+            first_tokens, token_sum = first_tokens[rows], token_sum[rows]
+            if not rows[self.later > 0].all():
+                mine = np.repeat(rows, self.later)
+                gaps, tok = gaps[mine], tok[mine]
+        return {
+            "itl_per_token": np.repeat(gaps / tok, tok) if gaps.size else np.empty(0),
+            "itl_per_event": gaps,
+            "first_tokens": first_tokens,
+            "token_sum": token_sum,
+        }
+
+    def row_of_events(self) -> np.ndarray:
+        """Each (kept) event's request."""
+        return np.repeat(np.arange(self.rows), self.lengths)
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    starts = np.zeros(lengths.size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
+
+
+def _aligned(ms: np.ndarray, ms_lengths: np.ndarray, tok: np.ndarray, tok_lengths: np.ndarray):
+    """Receipt times and tokens of the same length per request, as ``token_events`` pairs them: one token
+    per event where a request has no counts, a ragged pair cut to the shorter; the tokens of a request
+    without receipt times dropped."""
+    keep = np.where(tok_lengths == 0, ms_lengths, np.minimum(ms_lengths, tok_lengths))
+    if np.array_equal(keep, ms_lengths):
+        ms_sel = None
+    else:
+        ms_sel = np.arange(ms.size) - np.repeat(_starts(ms_lengths), ms_lengths) < np.repeat(keep, ms_lengths)
+    counted = (tok_lengths > 0) & (keep > 0)
+    tok_sel = (
+        np.arange(tok.size) - np.repeat(_starts(tok_lengths), tok_lengths) < np.repeat(keep, tok_lengths)
+    ) & (np.repeat(counted, tok_lengths))
+    out_tok = np.ones(int(keep.sum()), dtype=tok.dtype)
+    out_tok[np.repeat(counted, keep)] = tok[tok_sel]
+    return (ms if ms_sel is None else ms[ms_sel]), out_tok, keep
+
+
+def _flatten(values: list[Any], lengths: np.ndarray) -> np.ndarray:
+    """Per-request lists (JSONL) or arrays (Parquet) as one float array; None and NaN cells hold none."""
+    parts = [v for v, n in zip(values, lengths.tolist(), strict=True) if n]
+    total = int(lengths.sum())
+    if not total:
+        return np.empty(0)
+    return _concat(parts, total)
 
 
 def _concat(parts: list[Any], total: int) -> np.ndarray:
@@ -274,7 +423,13 @@ def latency_samples(
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The latency samples of completed requests (arrays aligned per request; NaN where a record has no
     value) and their output token counts: the server's count, else the tokens the events carried."""
-    events = pooled_events(arrival_ms, arrival_tokens)
+    return samples_of_events(ttft, e2e, output_tokens, pooled_events(arrival_ms, arrival_tokens))
+
+
+def samples_of_events(
+    ttft: np.ndarray, e2e: np.ndarray, output_tokens: np.ndarray, events: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """``latency_samples`` with the requests' events already pooled (``pooled_events``, ``Events.pooled``)."""
     out = np.where(np.isfinite(output_tokens), output_tokens, events["token_sum"])
     with np.errstate(divide="ignore", invalid="ignore"):
         tpot = (e2e - ttft) / (out - 1)
@@ -355,7 +510,19 @@ def evaluate_slo(slo: Any, samples: dict[str, Any], failed: int) -> dict[str, An
     return out
 
 
+class Described:
+    """A metric's samples with the percentiles already taken from them (the summary's describe): an SLO
+    objective on one of those percentiles reads it instead of selecting again."""
+
+    def __init__(self, samples: np.ndarray, known: dict[float, float], count: int):
+        self.samples, self.known, self.count = samples, known, count
+
+
 def _percentile_of(samples: Any, q: float) -> tuple[float | None, int]:
+    if isinstance(samples, Described):
+        if q in samples.known:
+            return samples.known[q], samples.count
+        samples = samples.samples
     if isinstance(samples, SortedSamples):
         return samples.percentile(q), len(samples)
     arr = np.asarray(samples if samples is not None else [], dtype=float)

@@ -30,8 +30,10 @@ from loadlab.records import (
     OK,
     RECORD_FIELDS,
     SPILL_DIR,
+    IndexSet,
     RecordWriter,
     RequestRecord,
+    TableWriter,
     default_run_name,
     merge_spills,
     read_jsonl_records,
@@ -80,9 +82,13 @@ class Run:
         # SGLang keys requests by rid: a random part keeps two load generators started alike apart.
         self.rid_prefix = f"{self.run_id}-{uuid.uuid4().hex[:8]}"
         self.writer = RecordWriter(self.dir)
+        # records.parquet and records.csv as the records come, a row group at a time, written in a native
+        # thread: the run holds no more than two groups of records, and its end writes only the last one.
+        self._last_group = None
+        self.table = TableWriter(self.dir, offload=self._write_group)
         self.worker_id = worker_id()
         self.outcomes: dict[str, int] = {}
-        self.indices: set[int] = set()  # recorded
+        self.indices = IndexSet()  # recorded: a byte per index, not a set of a million ints
         self.lost: dict[int, dict[str, Any]] = {}  # index -> phase and worker, for requests lost in flight
         self.coordinator = None  # the master's, in a distributed run
         self.monitor = None  # this process's ClientMonitor, when it runs users
@@ -124,6 +130,7 @@ class Run:
             log.error("loadlab: request %d recorded twice; the second record is dropped", rec.index)
             return
         self.writer.write(rec)
+        self.table.add(rec)
         if rec.http_status in REFUSED and self.refused is None:
             target = self.profile.target
             self.refused = refusal(self.manifest.target.url, f"POST {API_PATHS[rec.api]}", rec.http_status,
@@ -173,7 +180,7 @@ class Run:
             self.scraper.stop()
         self.writer.close()
         recovered = self._merge_spills()
-        write_parquet(self.dir)
+        self._close_table()
         t = self.tickets
         m = self.manifest
         m.ended_wall = time.time()
@@ -219,6 +226,33 @@ class Run:
         )
         return summary
 
+    def _write_group(self, write):
+        """Runs a row group's writing (``TableWriter``'s offload) in a native thread of gevent's pool, after
+        the groups before it, in a greenlet of its own: recording a request never waits for it. Arrow's
+        encoding releases the GIL; the Python part takes turns with the event loop."""
+        previous = self._last_group
+
+        def in_turn():
+            if previous is not None:
+                previous.join()
+                if not previous.successful():  # a group missing from the file: the next would hide it
+                    raise RuntimeError("an earlier row group of records.parquet failed")
+            return gevent.get_hub().threadpool.apply(write)
+
+        self._last_group = gevent.spawn(in_turn)
+        return self._last_group
+
+    def _close_table(self) -> None:
+        """records.parquet and records.csv: the last row group written and the files named; if writing them
+        along the way failed, converted from records.jsonl (the crash-safe copy) instead."""
+        try:
+            self.table.close()
+        except Exception as e:  # a full disk, a bug: the JSONL has every record
+            log.warning("loadlab: records.parquet could not be written as the run went (%s); converting "
+                        "records.jsonl", e)  # fmt: skip
+            self.table.discard()
+            write_parquet(self.dir)
+
     def stop_calibration(self) -> dict[str, Any] | None:
         """Ends this process's self-calibration (once the last measured request has ended; idempotent)."""
         if self.monitor is not None and self.calibration is None:
@@ -236,13 +270,14 @@ class Run:
                 )
             else:
                 self.tickets.finished(row["phase"])
+            self.table.add(row)
             self.outcomes[row["outcome"]] = self.outcomes.get(row["outcome"], 0) + 1
             if self.live is not None:  # so the live figures end equal to the report's
                 self.live.add(RequestRecord(**{k: v for k, v in row.items() if k in RECORD_FIELDS}))
         spill = self.dir / SPILL_DIR
         if spill.is_dir():
             for path in spill.glob("*.jsonl"):
-                if {row["index"] for row in read_jsonl_records(path)} <= self.indices:
+                if self.indices.issuperset(row["index"] for row in read_jsonl_records(path)):
                     path.unlink()
             with contextlib.suppress(OSError):
                 spill.rmdir()

@@ -417,6 +417,12 @@ class _Phase:
         slot = int(self._perm[index - self.start])
         return int(np.searchsorted(self._bounds, slot, side="right"))
 
+    def classes_of(self, indices: np.ndarray) -> np.ndarray:
+        """``class_of`` of each of ``indices`` (all in the phase)."""
+        if self._perm is None:
+            self._perm = _rng(*self._key).permutation(self.n)
+        return np.searchsorted(self._bounds, self._perm[indices - self.start], side="right")
+
 
 class ClassedWorkload:
     """A profile with ``classes``: request i's class, then the spec of that class's workload.
@@ -486,12 +492,25 @@ class ClassedWorkload:
         share only with each other (classes on different workloads are taken to share no prefix)."""
         indices = [int(i) for i in indices]
         out = np.zeros(len(indices), dtype=np.int64)
-        mine: dict[int, list[int]] = {}  # a workload (by id: classes on the profile's share one) -> positions
-        for pos, index in enumerate(indices):
-            mine.setdefault(id(self.generators[self.class_index(index)]), []).append(pos)
+        workload = np.array([id(self.generators[c]) for c in range(len(self.classes))], dtype=object)
+        of = workload[self.class_indices(np.array(indices, dtype=np.int64))] if indices else workload[:0]
         by_id = {id(g): g for g in self.generators}
-        for key, positions in mine.items():
-            out[positions] = by_id[key].reusable_prefix([indices[p] for p in positions])
+        for key in dict.fromkeys(of.tolist()):  # a workload (by id: classes on the profile's share one)
+            positions = np.flatnonzero(of == key)
+            out[positions] = by_id[key].reusable_prefix([indices[p] for p in positions.tolist()])
+        return out
+
+    def class_indices(self, indices: np.ndarray) -> np.ndarray:
+        """``class_index`` of each of ``indices``, the fixed phases' in bulk (a million in milliseconds)."""
+        out = np.empty(indices.size, dtype=np.int64)
+        done = np.zeros(indices.size, dtype=bool)
+        for phase in self._phases:
+            mine = (indices >= phase.start) & (indices < phase.start + phase.n)
+            if mine.any():
+                out[mine] = phase.classes_of(indices[mine])
+                done |= mine
+        for pos in np.flatnonzero(~done).tolist():  # beyond the fixed counts: none in a normal run
+            out[pos] = self.class_index(int(indices[pos]))
         return out
 
     def source_info(self) -> dict | None:

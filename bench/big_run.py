@@ -1,0 +1,159 @@
+"""Big runs, analysed: what a run of N records costs at its end and on the way (issue 17, part 5).
+
+Each step runs in a process of its own (its peak RSS is its own), pinned with ``taskset -c CORE``:
+
+- ``master``: a ``Run`` (the process that owns a run: one-process runs and a distributed run's master) is
+  fed N records through ``Run.record`` as its users or workers hand them over (records.jsonl, and
+  records.parquet / records.csv a row group at a time in a native thread), then ``Run.finalize``: the last
+  row group, the manifest, summary.json, summary.md and report.html. Records per second through
+  ``Run.record``, the finalize's time, the process's peak RSS.
+- ``convert``: records.jsonl -> records.parquet and records.csv (``write_parquet``: what ``loadlab report``
+  does after merging workers' spill files, or for a run that wrote no Parquet).
+- ``summary``: ``write_report(html=False)`` on the run directory: records.parquet -> summary.json and
+  summary.md (what ``loadlab report`` and a run's end compute).
+- ``html``: the same with report.html.
+
+The records are ``bench/make_big_run.py``'s (64-256 tokens each, mixed outcomes, two SLO classes, four
+workers), written once per size into ``--dir`` and reused.
+
+    python bench/big_run.py [--records 100000 1000000] [--dir /tmp/loadlab-bigrun] [--core 1]
+        [--steps master convert summary html]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import machine_line
+
+HERE = Path(__file__).resolve().parent
+
+
+def _step(kind: str, run_dir: Path) -> dict:
+    """One step in this process; returns its figures."""
+    t0 = time.perf_counter()
+    if kind == "convert":
+        from loadlab.records import write_parquet
+
+        write_parquet(run_dir)
+    elif kind in ("summary", "html"):
+        from loadlab.analysis.report import write_report
+
+        t0 = time.perf_counter()  # the imports are not the report's
+        write_report(run_dir, html=kind == "html")
+    elif kind == "master":
+        return _master(run_dir)
+    return {"seconds": time.perf_counter() - t0, "peak_rss_mb": _peak_mb()}
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _master(src: Path) -> dict:
+    """A Run fed the records of ``src`` (read ahead, in batches as a master decodes them), then finalized."""
+    from gevent import monkey
+
+    monkey.patch_all()
+    import gevent
+    import orjson
+
+    from loadlab.manifest import TargetInfo, read_manifest
+    from loadlab.profile import validate_profile
+    from loadlab.records import RECORDS_JSONL, RequestRecord
+    from loadlab.swarm.run import Run
+    from loadlab.workload import build_workload
+
+    manifest = read_manifest(src)
+    profile = validate_profile(manifest.profile)
+    out = src.parent / "master-out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    run = Run(profile, "bench", build_workload(profile), None, str(out), "run", TargetInfo(url="http://127.0.0.1:9"),
+              None, 512, ["bench/big_run.py"])  # fmt: skip
+    base = _peak_mb()
+    fed = 0
+    busy = 0.0
+    t_all = time.perf_counter()
+    with open(src / RECORDS_JSONL, "rb") as f:
+        while True:
+            lines = f.readlines(4 << 20)  # ~1500 records: a few workers' batches
+            if not lines:
+                break
+            records = [RequestRecord(**orjson.loads(line)) for line in lines]
+            t = time.perf_counter()
+            for rec in records:
+                run.tickets.next_index = max(run.tickets.next_index, rec.index + 1)
+                run.record(rec)
+            busy += time.perf_counter() - t
+            fed += len(records)
+            gevent.sleep(0)  # the greenlets that write row groups get their turn, as in a Locust process
+    feed = time.perf_counter() - t_all
+    peak_fed = _peak_mb()
+    t = time.perf_counter()
+    run.finalize()
+    return {
+        "records": fed,
+        "record_us": busy / fed * 1e6,
+        "feed_seconds": feed,
+        "rss_before_mb": base,
+        "peak_rss_fed_mb": peak_fed,
+        "finalize_seconds": time.perf_counter() - t,
+        "peak_rss_mb": _peak_mb(),
+        "run_dir": str(run.dir),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/loadlab-bigrun"))
+    parser.add_argument("--core", type=int, default=1)
+    parser.add_argument("--steps", nargs="+", default=["master", "convert", "summary", "html"])
+    parser.add_argument("--step", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.step:
+        print(json.dumps(_step(args.step[0], Path(args.step[1]))))
+        return
+    print(machine_line())
+    for n in args.records:
+        src = args.dir / f"r{n}"
+        if not (src / "manifest.json").exists():
+            subprocess.run(
+                [sys.executable, str(HERE / "make_big_run.py"), str(src), "--records", str(n)], check=True
+            )
+        work = args.dir / f"w{n}"
+        for kind in args.steps:
+            if kind == "convert" or (kind in ("summary", "html") and not (work / "records.parquet").exists()):
+                shutil.rmtree(work, ignore_errors=True)
+                work.mkdir(parents=True)
+                for name in ("records.jsonl", "manifest.json"):
+                    (work / name).symlink_to(src / name)
+                if kind != "convert":
+                    _run("convert", work, args.core)
+            result = _run(kind, src if kind == "master" else work, args.core)
+            print(f"{n:>8} {kind:<8} " + " ".join(f"{k}={_fmt(v)}" for k, v in result.items()), flush=True)
+
+
+def _run(kind: str, run_dir: Path, core: int) -> dict:
+    cmd = ["taskset", "-c", str(core), sys.executable, __file__, "--step", kind, str(run_dir)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if done.returncode != 0:
+        sys.exit(f"{kind} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _fmt(v) -> str:
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+if __name__ == "__main__":
+    main()

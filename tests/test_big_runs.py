@@ -1,0 +1,318 @@
+"""Big runs (issue 17, part 5): the records written a row group at a time, the post-processor on flat
+per-event arrays and exact order statistics by bracketing, each checked against a straightforward reference
+(numpy per request on the raw records, np.percentile, a one-shot table), never against itself."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from loadlab.analysis import write_report
+from loadlab.analysis.html import _in_flight_per_second, _median_per_second, _tokens_per_second
+from loadlab.analysis.metrics import compute_summary, record_events
+from loadlab.analysis.stats import BRACKET_MIN, Events, order_statistics, quantiles
+from loadlab.manifest import Counts, Manifest, TargetInfo, software_versions, write_manifest
+from loadlab.records import (
+    RECORD_FIELDS,
+    RECORDS_CSV,
+    RECORDS_JSONL,
+    RECORDS_PARQUET,
+    IndexSet,
+    RecordWriter,
+    RequestRecord,
+    TableWriter,
+    _arrow_table,
+    _csv_table,
+    load_records,
+    read_jsonl_records,
+    recorded_indices,
+    write_parquet,
+)
+
+T0 = 1_700_000_000.0
+CLASSES = ("interactive", "batch")
+
+
+def make_records(n: int, seed: int = 0) -> list[RequestRecord]:
+    """Records of every shape the reader meets: multi-token events, failures that keep what arrived, no
+    events, no token counts (one per event), a ragged pair, zero-token and non-finite events."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        n_events = int(rng.integers(1, 40))
+        tok = rng.choice([1, 1, 1, 2, 3], n_events).tolist()
+        ms = (rng.uniform(50, 300) + np.cumsum(rng.lognormal(2.5, 0.5, n_events))).tolist()
+        outcome = "ok"
+        kind = i % 17
+        if kind == 3:
+            outcome, ms, tok = "timeout", ms[: n_events // 2], tok[: n_events // 2]
+        elif kind == 5:
+            outcome, ms, tok = "http_error", [], []
+        elif kind == 7:
+            tok = []  # no per-event counts
+        elif kind == 9 and n_events > 2:
+            tok = tok[:-1]  # ragged: cut to the shorter
+        elif kind == 11 and n_events > 2:
+            tok[1] = 0  # an event without a token
+        elif kind == 13 and n_events > 2:
+            ms[1] = math.nan  # JSON writes NaN as null; Parquet keeps it
+        out.append(
+            RequestRecord(
+                index=i, phase="warmup" if i < n // 20 else "measure", api="generate", worker_id=f"w{i % 3}",
+                user_id=i % 8, t_send_wall=T0 + i * 0.01, outcome=outcome,
+                http_status=500 if outcome == "http_error" else 200,
+                ttft_ms=ms[0] if ms and outcome == "ok" and not math.isnan(ms[0]) else None,
+                e2e_ms=(ms[-1] + 1.0) if ms else 5.0, arrival_ms=ms, arrival_tokens=tok,
+                input_len=100, max_new_tokens=64, prompt_tokens=100,
+                output_tokens=int(sum(tok)) if outcome == "ok" and i % 19 else None,
+                cached_tokens=50 if i % 2 else None, served_by=f"http://127.0.0.1:{30000 + i % 2}",
+                request_class=CLASSES[i % 2] if i % 23 else None,
+                t_scheduled_wall=T0 + i * 0.01 - 0.001,
+            )
+        )  # fmt: skip
+    return out
+
+
+def reference_itl(records: list[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """ITL per token and per event, request by request, as docs/metrics.md defines them."""
+    per_token, per_event = [], []
+    for r in records:
+        ms = np.array(r.arrival_ms, dtype=float)
+        tok = np.array(r.arrival_tokens, dtype=float) if r.arrival_tokens else np.ones(ms.size)
+        n = min(ms.size, tok.size)
+        ms, tok = ms[:n], tok[:n]
+        keep = np.isfinite(ms) & (tok > 0)
+        ms, tok = ms[keep], tok[keep].astype(int)
+        for j in range(1, ms.size):
+            gap = ms[j] - ms[j - 1]
+            per_event.append(gap)
+            per_token += [gap / tok[j]] * tok[j]
+    return np.array(per_token), np.array(per_event)
+
+
+def reference_tokens(r: RequestRecord) -> int:
+    """The tokens a record's events carried (what counts when the server gave no total)."""
+    ms = np.array(r.arrival_ms, dtype=float)
+    tok = np.array(r.arrival_tokens, dtype=float) if r.arrival_tokens else np.ones(ms.size)
+    n = min(ms.size, tok.size)
+    keep = np.isfinite(ms[:n]) & (tok[:n] > 0)
+    return int(tok[:n][keep].sum())
+
+
+def run_dir_of(tmp_path, records: list[RequestRecord]):
+    run = tmp_path / "run"
+    run.mkdir()
+    writer = RecordWriter(run)
+    for r in records:
+        writer.write(r)
+    writer.close()
+    warmup = sum(r.phase == "warmup" for r in records)
+    write_manifest(
+        run,
+        Manifest(
+            run_id="run", profile_path="p.yaml",
+            profile={"name": "big", "slo": {"ttft_p95_ms": 400, "itl_p95_ms": 20},
+                     "classes": [{"name": "interactive", "share": 0.5, "slo": {"itl_p95_ms": 15}},
+                                 {"name": "batch", "share": 0.5}]},
+            target=TargetInfo(url="http://127.0.0.1:1"), model=None,
+            load={"model": "closed", "concurrency": 8, "description": "closed loop, 8 in flight"},
+            started_wall=T0, ended_wall=T0 + 100, complete=True,
+            counts=Counts(warmup_expected=warmup, measured_expected=len(records) - warmup),
+            versions=software_versions(), command=[],
+        ),
+    )  # fmt: skip
+    return run
+
+
+def test_the_summary_equals_numpy_on_the_raw_records(tmp_path):
+    records = make_records(3000)
+    run = run_dir_of(tmp_path, records)
+    write_parquet(run)
+    summary = json.loads(write_report(run).model_dump_json())
+    ok = [r for r in records if r.phase == "measure" and r.outcome == "ok"]
+    itl, itl_event = reference_itl(ok)
+    ttft = np.array([r.ttft_ms for r in ok if r.ttft_ms is not None])
+    for stem, values in (("itl_ms", itl), ("itl_per_event_ms", itl_event), ("ttft_ms", ttft)):
+        assert summary["samples"][stem] == values.size
+        assert summary[f"mean_{stem}"] == pytest.approx(np.mean(values), rel=1e-12)
+        assert summary[f"std_{stem}"] == pytest.approx(np.std(values), rel=1e-9)
+        for q in (90, 95, 99):  # exact: the same order statistics, the same interpolation
+            assert summary[f"p{q}_{stem}"] == np.percentile(values, q)
+        assert summary[f"median_{stem}"] == np.percentile(values, 50)
+        assert (summary[f"min_{stem}"], summary[f"max_{stem}"]) == (values.min(), values.max())
+    for c in summary["classes"]:
+        mine = [r for r in ok if r.request_class == c["name"]]
+        itl_c, _ = reference_itl(mine)
+        assert c["p95_itl_ms"] == np.percentile(itl_c, 95)
+        assert c["samples"]["itl_ms"] == itl_c.size
+        objective = next(o for o in c["slo"]["objectives"] if o["metric"] == "itl_ms")
+        assert objective["value_ms"] == np.percentile(itl_c, 95)
+    tokens = sum(r.output_tokens if r.output_tokens is not None else reference_tokens(r) for r in ok)
+    assert summary["total_output_tokens"] == tokens
+
+
+def test_arrow_columns_and_python_lists_give_the_same_summary(tmp_path):
+    """The flat path (load_records(arrow=True): Arrow lists, categorical text) against the per-record lists
+    of the JSONL and the numpy arrays of Parquet: every key the same, bit for bit."""
+    records = make_records(1500, seed=1)
+    run = run_dir_of(tmp_path, records)
+    manifest = Manifest.model_validate_json((run / "manifest.json").read_text())
+    from_lists = compute_summary(load_records(run), manifest).model_dump()  # JSONL: lists
+    write_parquet(run)
+    from_arrays = compute_summary(load_records(run), manifest).model_dump()  # Parquet: numpy arrays
+    flat = load_records(run, arrow=True)
+    from_arrow = compute_summary(flat, manifest).model_dump()
+    assert from_arrow == from_arrays
+    # NaN receipt times: JSON has no NaN (orjson writes null, which the list path drops per request).
+    assert {k: v for k, v in from_arrow.items() if "itl" not in k} == {
+        k: v for k, v in from_lists.items() if "itl" not in k
+    }
+
+
+def test_events_equal_the_per_request_definitions_on_any_subset():
+    records = make_records(800, seed=2)
+    ms = [r.arrival_ms for r in records]
+    tok = [r.arrival_tokens for r in records]
+    events = Events.of_lists(ms, tok)
+    rng = np.random.default_rng(0)
+    for rows in (None, rng.random(len(records)) < 0.5, np.zeros(len(records), dtype=bool)):
+        chosen = records if rows is None else [r for r, keep in zip(records, rows, strict=True) if keep]
+        pooled = events.pooled(rows)
+        per_token, per_event = reference_itl(chosen)
+        np.testing.assert_array_equal(pooled["itl_per_token"], per_token)
+        np.testing.assert_array_equal(pooled["itl_per_event"], per_event)
+        sums = [float(reference_tokens(r)) for r in chosen]
+        np.testing.assert_array_equal(pooled["token_sum"], sums)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rng, n: rng.lognormal(3, 0.5, n),
+        lambda rng, n: np.round(rng.lognormal(3, 0.5, n), 1),  # many ties
+        lambda rng, n: np.sort(rng.random(n)),  # sorted: a strided subsample sees a ramp
+        lambda rng, n: np.repeat(rng.random(n // 4096), 4096),  # long runs of one value
+        lambda rng, n: np.concatenate([np.zeros(n - 3), [3.0, 1.0, 2.0]]),  # all but three equal
+        lambda rng, n: np.concatenate([rng.normal(10, 1, n // 2), rng.normal(1e6, 1, n - n // 2)]),  # bimodal
+        lambda rng, n: -rng.lognormal(3, 0.5, n),  # negative
+    ],
+)
+def test_order_statistics_by_bracketing_are_numpys(make):
+    rng = np.random.default_rng(3)
+    values = make(rng, BRACKET_MIN + 12345)
+    before = values.copy()
+    qs = [0, 50, 90, 95, 99, 99.9, 100]
+    assert np.array_equal(quantiles(values, qs), np.percentile(values, qs))
+    ks = np.array([0, 1, values.size // 3, values.size - 2, values.size - 1])
+    assert np.array_equal(order_statistics(values, ks), np.sort(values)[ks])
+    assert np.array_equal(values, before)  # left as it was
+
+
+def test_the_table_written_by_groups_is_the_one_shot_table(tmp_path):
+    # (a NaN receipt time is NaN in a record and null in its JSON line: none here)
+    records = [r for r in make_records(110, seed=4) if not any(map(math.isnan, r.arrival_ms))][:100]
+    writer = TableWriter(tmp_path, rows=7)  # 15 groups
+    for i, r in enumerate(records):
+        writer.add(r if i % 3 else json.loads(r.to_json_line()))  # records and JSONL rows alike
+        assert not (tmp_path / RECORDS_PARQUET).exists()  # named only once complete
+    writer.close()
+    rows = read_jsonl_records_of(records)
+    one_shot = _arrow_table(rows, RECORD_FIELDS)
+    written = pq.read_table(tmp_path / RECORDS_PARQUET)
+    assert pq.ParquetFile(tmp_path / RECORDS_PARQUET).num_row_groups == 15
+    assert written.equals(one_shot)
+    pacsv.write_csv(_csv_table(one_shot, rows), tmp_path / "one-shot.csv")
+    assert (tmp_path / RECORDS_CSV).read_bytes() == (tmp_path / "one-shot.csv").read_bytes()
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+def read_jsonl_records_of(records):
+    return [json.loads(r.to_json_line()) for r in records]
+
+
+def test_an_empty_table_has_the_columns(tmp_path):
+    TableWriter(tmp_path).close()
+    table = pq.read_table(tmp_path / RECORDS_PARQUET)
+    assert table.num_rows == 0 and table.column_names == list(RECORD_FIELDS)
+    assert table.schema.field("arrival_ms").type == pa.list_(pa.float64())
+
+
+def test_a_discarded_table_leaves_no_file(tmp_path):
+    writer = TableWriter(tmp_path, rows=2)
+    for r in make_records(5):
+        writer.add(r)
+    writer.discard()
+    assert not list(tmp_path.iterdir())
+
+
+def test_recorded_indices_read_each_lines_start(tmp_path):
+    (tmp_path / RECORDS_JSONL).write_bytes(
+        b"".join(r.to_json_line() for r in make_records(5))
+        + b'{"phase": "measure", "index": 9}\n'  # written by hand: parsed whole
+        + b'{"index":7,"phase":"mea'  # torn
+    )
+    have = recorded_indices(tmp_path)
+    assert sorted(have) == [0, 1, 2, 3, 4, 9] and len(have) == 6
+    assert 7 not in have and -1 not in have and "0" not in have
+    assert [r["index"] for r in read_jsonl_records(tmp_path / RECORDS_JSONL)] == [0, 1, 2, 3, 4, 9]
+
+
+def test_index_set():
+    s = IndexSet([3, 1, 3])
+    s.add(1_000_000)
+    assert len(s) == 3 and 1_000_000 in s and 2 not in s and 10**7 not in s
+    assert s.issuperset([1, 3]) and not s.issuperset([1, 2])
+    with pytest.raises(ValueError):
+        s.add(-1)
+
+
+def test_the_timeline_helpers_equal_the_per_second_loops():
+    rng = np.random.default_rng(5)
+    s = rng.uniform(0, 50, 400)
+    e = s + rng.exponential(3, 400)
+    e[:5] = s[:5]  # zero length: nothing in flight
+    span = int(np.ceil(e.max()))
+    loop = [float(np.clip(np.minimum(e, b + 1) - np.maximum(s, b), 0, None).sum()) for b in range(span)]
+    np.testing.assert_allclose(_in_flight_per_second(s, e, span), loop, rtol=1e-12, atol=1e-9)
+    values = rng.normal(100, 10, 400)
+    rows = rng.random(400) < 0.8
+    second = np.floor(s)
+    expected = [np.median(values[rows & (second == b)]) if (rows & (second == b)).any() else np.nan
+                for b in range(span)]  # fmt: skip
+    np.testing.assert_array_equal(_median_per_second(second, values, rows, span), expected)
+    records = make_records(50, seed=6)
+    events = Events.of_lists([r.arrival_ms for r in records], [r.arrival_tokens for r in records])
+    t_send = np.array([r.t_send_wall for r in records])
+    t0 = t_send.min()
+    width = int(np.ceil(max(r.t_send_wall + r.e2e_ms / 1000 for r in records) - t0))
+    tokens = np.zeros(width)
+    for r in records:
+        ms = np.array(r.arrival_ms, dtype=float)
+        tok = np.array(r.arrival_tokens, dtype=float) if r.arrival_tokens else np.ones(ms.size)
+        n = min(ms.size, tok.size)
+        keep = np.isfinite(ms[:n]) & (tok[:n] > 0)
+        at = ((r.t_send_wall - t0) + ms[:n][keep] / 1000).astype(int)
+        np.add.at(tokens, np.clip(at, 0, width - 1), tok[:n][keep])
+    np.testing.assert_array_equal(_tokens_per_second(events, t_send, t0, width), tokens)
+
+
+def test_a_report_of_the_jsonl_alone_equals_the_parquets(tmp_path):
+    """A killed run has records.jsonl only: the flat reader builds the same columns from it."""
+    records = [r for r in make_records(400, seed=7) if not any(map(math.isnan, r.arrival_ms))]
+    run = run_dir_of(tmp_path, records)
+    from_jsonl = write_report(run, html=False).model_dump()
+    write_parquet(run)
+    from_parquet = write_report(run, html=False).model_dump()
+    from_jsonl.pop("records_source"), from_parquet.pop("records_source")
+    assert from_jsonl == from_parquet
+    flat = load_records(run, arrow=True)
+    ms, _ = record_events(flat).ms, None
+    assert ms.size == sum(len(r.arrival_ms) for r in records) - sum(
+        1 for r in records for t in (r.arrival_tokens or [1] * len(r.arrival_ms)) if t <= 0
+    ) - sum(max(len(r.arrival_ms) - len(r.arrival_tokens), 0) for r in records if r.arrival_tokens)
