@@ -15,6 +15,7 @@ import random
 import time
 from array import array
 from bisect import bisect_right
+from collections.abc import Callable
 from typing import NamedTuple
 
 from gevent.event import Event
@@ -130,6 +131,9 @@ class Tickets:
         self.measure_started_wall: float | None = None  # when the first measured ticket was taken
         self.on_measure_start = None  # called once, with the first measured ticket
         self.dues = array("d")  # open loop: every ticket's due time so far, in order (they never decrease)
+        # A distributed run's master: the requests handed out of here that no user has started (the workers'
+        # stocks, tickets waiting to be leased again); they are not in flight.
+        self.not_started: Callable[[float], int] | None = None  # (now) -> those due by now
         if warmup == 0:
             self.warmup_done.set()
 
@@ -186,7 +190,8 @@ class Tickets:
         """Requests handed out, due by ``now`` (the driver's clock) and not finished: the live in-flight
         count (an open loop's tickets wait for their due time first)."""
         out = self.next_index if self.arrivals is None else bisect_right(self.dues, now)
-        return max(0, out - self.warmup_finished - self.measured_finished)
+        held = self.not_started(now) if self.not_started is not None else 0
+        return max(0, out - held - self.warmup_finished - self.measured_finished)
 
     def finished(self, phase: str) -> bool:
         """Counts a finished request; True when it was the last warm-up request (the barrier opens)."""

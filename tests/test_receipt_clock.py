@@ -63,9 +63,19 @@ def _first_event(scripted_server, clock: str, busy_at_s: float | None) -> tuple[
         client.close()
     decoded = decode_stream("generate", ex.lines, ex.times, ended_cleanly=True)
     assert decoded.outcome == "ok" and decoded.arrival_tokens == [1, 1, 1], decoded
-    log = scripted_server.log_entries()[decoded.server_id]
+    log = _log_entry(scripted_server, decoded.server_id)
     ttft = (decoded.arrival_times[0] - ex.t_send) * 1000.0
     return ttft, (log["write_wall"][0] - ex.t_send_wall) * 1000.0, ex
+
+
+def _log_entry(scripted_server, server_id: str) -> dict:
+    """The server's log entry of one request: written once its handler returns, which can be a moment
+    after the client read the stream's last byte."""
+    deadline = time.monotonic() + 5.0
+    while (entry := scripted_server.log_entries().get(server_id)) is None:
+        assert time.monotonic() < deadline, f"no log entry for {server_id} in {scripted_server.log_path}"
+        time.sleep(0.02)
+    return entry
 
 
 @linux

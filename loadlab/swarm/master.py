@@ -112,8 +112,19 @@ class Coordinator:
         # The barrier opens: serve held asks (in a greenlet: a rawlink callback runs in the hub, which must
         # not wait on a socket).
         run.tickets.warmup_done.rawlink(lambda _e: gevent.spawn(self._serve))
+        run.tickets.not_started = self._not_started
         run.manifest.load_generators = self.load_generators()
         self._send_run(None)
+
+    def _not_started(self, now: float) -> int:
+        """Requests handed out of the run's tickets that no user has started: the workers' stocks, a dead
+        worker's waiting to expire, the pool to lease again, the open loop's next ticket (not in flight);
+        in an open loop only those due by ``now`` (the others are not counted as handed out yet)."""
+        held = [*self.pool, *(t for u in self.unstarted.values() for t in u.values())]
+        held += [t for e in self.expiring for t in e[2].values()]
+        if self.upcoming is not None:
+            held.append(self.upcoming)
+        return sum(t.turns for t in held if t.due is None or t.due <= now)
 
     def _send_run(self, worker: str | None) -> None:
         """The run, to every worker (None) or to one that joins while it runs (before Locust gives it

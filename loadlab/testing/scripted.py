@@ -231,6 +231,7 @@ class Server:
     def write_log(self, entry: dict) -> None:
         if self.log is not None:
             self.log.write(orjson.dumps(entry) + b"\n")
+            self.log.flush()  # readable while the server runs (a test joins a request's entry right after it)
             self.log.flush()
 
 
