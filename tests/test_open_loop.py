@@ -38,6 +38,7 @@ def run_profile(tmp_path: Path, profile: Path, *extra: str) -> tuple[list[dict],
     return read_jsonl_records(run_dir / "records.jsonl"), json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.flaky(reruns=1, reruns_delay=2)  # send lateness in wall-clock ms on a shared 2-core machine
 def test_sends_follow_the_arrival_schedule(tmp_path):
     # 50 ms apart; a request takes ~0.1 s: ~2 in flight. No cap: one user per request (4 + 40).
     rows, summary = run(tmp_path, rate=20, cap="null")
