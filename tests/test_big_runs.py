@@ -15,8 +15,9 @@ import pytest
 
 from loadlab.analysis import write_report
 from loadlab.analysis.html import _in_flight_per_second, _median_per_second, _tokens_per_second
+from loadlab.analysis.itl import RunEvents
 from loadlab.analysis.metrics import compute_summary, record_events
-from loadlab.analysis.stats import BRACKET_MIN, Events, order_statistics, quantiles
+from loadlab.analysis.stats import BRACKET_MIN, Events, lists_batch, order_statistics, quantiles
 from loadlab.manifest import Counts, Manifest, TargetInfo, software_versions, write_manifest
 from loadlab.records import (
     RECORD_FIELDS,
@@ -287,7 +288,9 @@ def test_the_timeline_helpers_equal_the_per_second_loops():
                 for b in range(span)]  # fmt: skip
     np.testing.assert_array_equal(_median_per_second(second, values, rows, span), expected)
     records = make_records(50, seed=6)
-    events = Events.of_lists([r.arrival_ms for r in records], [r.arrival_tokens for r in records])
+    thirds = [records[:17], records[17:30], records[30:]]  # three batches, as three row groups
+    batches = [lists_batch([r.arrival_ms for r in b], [r.arrival_tokens for r in b]) for b in thirds]
+    events = RunEvents.of_batches(batches, keep_times=True)
     t_send = np.array([r.t_send_wall for r in records])
     t0 = t_send.min()
     width = int(np.ceil(max(r.t_send_wall + r.e2e_ms / 1000 for r in records) - t0))
@@ -312,7 +315,7 @@ def test_a_report_of_the_jsonl_alone_equals_the_parquets(tmp_path):
     from_jsonl.pop("records_source"), from_parquet.pop("records_source")
     assert from_jsonl == from_parquet
     flat = load_records(run, arrow=True)
-    ms, _ = record_events(flat).ms, None
-    assert ms.size == sum(len(r.arrival_ms) for r in records) - sum(
+    kept = int(record_events(flat).lengths.sum())
+    assert kept == sum(len(r.arrival_ms) for r in records) - sum(
         1 for r in records for t in (r.arrival_tokens or [1] * len(r.arrival_ms)) if t <= 0
     ) - sum(max(len(r.arrival_ms) - len(r.arrival_tokens), 0) for r in records if r.arrival_tokens)

@@ -333,15 +333,7 @@ class Events:
     @classmethod
     def of_lists(cls, arrival_ms: list[Any], arrival_tokens: list[Any]) -> Events:
         """From per-request lists or arrays (records as ``RequestRecord`` or a DataFrame hold them)."""
-        ms_lengths = np.fromiter((_length(v) for v in arrival_ms), dtype=np.int64, count=len(arrival_ms))
-        tok_lengths = np.fromiter(
-            (_length(v) for v in arrival_tokens), dtype=np.int64, count=len(arrival_tokens)
-        )
-        if ms_lengths.size != tok_lengths.size:
-            raise ValueError("arrival_ms and arrival_tokens: not the same number of requests")
-        ms = _flatten(arrival_ms, ms_lengths)
-        tok = _flatten(arrival_tokens, tok_lengths)
-        return cls(ms, ms_lengths, tok, tok_lengths)
+        return cls(*lists_batch(arrival_ms, arrival_tokens))
 
     def pooled(self, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """``pooled_events`` over the requests ``rows`` (a boolean mask; None: all) selects."""
@@ -363,6 +355,18 @@ class Events:
     def row_of_events(self) -> np.ndarray:
         """Each (kept) event's request."""
         return np.repeat(np.arange(self.rows), self.lengths)
+
+
+def lists_batch(
+    arrival_ms: list[Any], arrival_tokens: list[Any]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-request lists or arrays of receipt times and tokens as one batch of flat columns: (times, each
+    request's number of them, tokens, each request's number of them); None and NaN cells hold none."""
+    ms_lengths = np.fromiter((_length(v) for v in arrival_ms), dtype=np.int64, count=len(arrival_ms))
+    tok_lengths = np.fromiter((_length(v) for v in arrival_tokens), dtype=np.int64, count=len(arrival_tokens))
+    if ms_lengths.size != tok_lengths.size:
+        raise ValueError("arrival_ms and arrival_tokens: not the same number of requests")
+    return _flatten(arrival_ms, ms_lengths), ms_lengths, _flatten(arrival_tokens, tok_lengths), tok_lengths
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:
