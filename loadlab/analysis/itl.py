@@ -45,6 +45,8 @@ class _Chunk:
     gaps: np.ndarray  # float64 ms, the gap before each later event
     tok: np.ndarray  # the tokens each later event carried (the narrowest unsigned type that holds them)
     later: np.ndarray  # each record's number of later events
+    with_later: np.ndarray  # the records (in the chunk) that have any, and where their later events start
+    starts: np.ndarray
     ms: np.ndarray | None = None  # every kept event's receipt time and tokens, for the timeline (keep_times)
     all_tok: np.ndarray | None = None
     lengths: np.ndarray | None = None
@@ -63,6 +65,7 @@ class RunEvents:
     first_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0))
     token_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))
     zero_gaps: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    gap_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the sum of a record's gaps
 
     @classmethod
     def of_batches(cls, batches: Iterable[EventBatch], keep_times: bool = False) -> RunEvents:
@@ -79,16 +82,24 @@ class RunEvents:
             zero_gaps = np.zeros(ev.rows, dtype=np.int64)
             if zero.size:  # each zero gap's record, in bulk
                 np.add.at(zero_gaps, np.searchsorted(np.cumsum(later), zero, side="right"), 1)
-            chunk = _Chunk(row0, ev.rows, gaps, _narrow(ev.later_tok), later)
+            with_later = np.flatnonzero(later)
+            starts = np.zeros(with_later.size, dtype=np.int64)
+            np.cumsum(later[with_later][:-1], out=starts[1:])
+            gap_sum = np.zeros(ev.rows)
+            if with_later.size:
+                gap_sum[with_later] = np.add.reduceat(gaps, starts)
+            chunk = _Chunk(row0, ev.rows, gaps, _narrow(ev.later_tok), later, with_later, starts)
             if keep_times:
                 chunk.ms, chunk.all_tok, chunk.lengths = ev.ms, ev.tok, ev.lengths
             chunks.append(chunk)
-            per_row.append((ev.lengths, ev.first_tokens, ev.token_sum, zero_gaps))
+            per_row.append((ev.lengths, ev.first_tokens, ev.token_sum, zero_gaps, gap_sum))
             row0 += ev.rows
         if not per_row:
             return cls()
-        lengths, first_tokens, token_sum, zero_gaps = (np.concatenate(c) for c in zip(*per_row, strict=True))
-        return cls(chunks, lengths, first_tokens, token_sum, zero_gaps)
+        lengths, first_tokens, token_sum, zero_gaps, gap_sum = (
+            np.concatenate(c) for c in zip(*per_row, strict=True)
+        )
+        return cls(chunks, lengths, first_tokens, token_sum, zero_gaps, gap_sum)
 
     @property
     def rows(self) -> int:
@@ -171,16 +182,11 @@ def itl_figures(
     cells, scope_cells = _cells(scopes, events.rows)
     n_cells = int(cells.max()) + 1 if cells.size and cells.max() >= 0 else 0
     cells[cells < 0] = n_cells  # records in no scope: a cell of their own, never read
-    chunks = [c for c in events.chunks if c.gaps.size]
+    scan = _Scan(events, cells, n_cells)
     out: list[dict[str, Pooled]] = [{} for _ in scopes]
-    per_event = [np.repeat(cells[c.row0 : c.row0 + c.rows], c.later) for c in chunks]
     for metric in ITL_METRICS:
-        weighted = metric == "itl_ms"
-        values = [c.gaps / c.tok if weighted else c.gaps for c in chunks]
-        weights = [c.tok for c in chunks] if weighted else [None] * len(chunks)
-        figures = _scope_figures(values, weights, per_event, n_cells, scope_cells, qs)
-        for i, f in enumerate(figures):
-            out[i][metric] = f
+        for i, figures in enumerate(scan.figures(metric == "itl_ms", scope_cells, qs)):
+            out[i][metric] = figures
     return out
 
 
@@ -190,116 +196,155 @@ def _cells(scopes: Sequence[np.ndarray], rows: int) -> tuple[np.ndarray, list[li
     for i, mask in enumerate(scopes):
         code |= np.asarray(mask, dtype=bool).astype(np.int64) << i
     used = np.unique(code[code != 0])
-    cells = np.full(rows, -1, dtype=np.int16)
+    cells = np.full(rows, -1, dtype=np.int64)
     if used.size:
         member = code != 0
-        cells[member] = np.searchsorted(used, code[member]).astype(np.int16)
+        cells[member] = np.searchsorted(used, code[member])
     scope_cells = [[j for j, u in enumerate(used.tolist()) if u >> i & 1] for i in range(len(scopes))]
     return cells, scope_cells
 
 
-def _scope_figures(values, weights, cells, n_cells, scope_cells, qs) -> list[Pooled]:
-    """Pass 1 (histograms and sums per cell), then the wanted order statistics of every scope (pass 2)."""
-    empty = [Pooled(0, None, None, {}) for _ in scope_cells]
-    if n_cells == 0 or not values:
-        return empty
-    lo_key, hi_key = math.inf, -math.inf
-    for v in values:
-        if v.size:
-            lo_key = min(lo_key, int(v.min().view(np.int64)) if v.min() > 0 else 0)
-            hi_key = max(hi_key, int(v.max().view(np.int64)) if v.max() > 0 else 0)
-    shift = _SHIFT
-    while (max(hi_key, _TINY_KEY) >> shift) - (max(lo_key, _TINY_KEY) >> shift) + 1 > _MAX_BUCKETS:
-        shift += 1
-    lo_bucket = max(lo_key, _TINY_KEY) >> shift
-    n_buckets = (max(hi_key, _TINY_KEY) >> shift) - lo_bucket + 1
-    slots = (n_cells + 1) * n_buckets  # the last cell: records in no scope
-    hist = np.zeros(slots)
-    count = np.zeros(n_cells + 1)
-    total = np.zeros(n_cells + 1)
-    bucket_of = _Buckets(shift, lo_bucket, n_buckets)
-    for v, w, cell in zip(values, weights, cells, strict=True):
-        idx = bucket_of(v, cell)
-        hist += np.bincount(idx, weights=w, minlength=slots)
-        count += np.bincount(cell, weights=w, minlength=n_cells + 1)
-        total += np.bincount(cell, weights=v if w is None else v * w, minlength=n_cells + 1)
-    hist = hist.reshape(n_cells + 1, n_buckets)
-    mean_cell = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
-    # Second moments about each cell's own mean (no cancellation), in the gather pass below.
-    m2 = np.zeros(n_cells + 1)
+class _Scan:
+    """The passes over the events' chunks, in buffers reused from chunk to chunk (on a VM a fresh gigabyte
+    costs ~1 s of page faults: a pass allocates nothing per event)."""
 
-    # The buckets of every wanted order statistic, per scope.
-    wants = []  # (scope, q list, ranks (lo, hi), their buckets, counts below each bucket)
-    lut = np.zeros((n_cells + 1) * n_buckets, dtype=bool)
-    for mine in scope_cells:
-        n = int(round(count[mine].sum())) if mine else 0
-        if n == 0:
-            wants.append(None)
-            continue
-        cum = np.cumsum(hist[mine].sum(axis=0))
-        lo, hi, gamma = linear_positions(n, qs)
-        ks = np.unique(np.concatenate([lo, hi]))
-        buckets = np.searchsorted(cum, ks, side="right")
-        below = np.where(buckets > 0, cum[np.maximum(buckets - 1, 0)], 0)
-        for b in np.unique(buckets).tolist():
-            for cell in mine:
-                lut[cell * n_buckets + b] = True
-        wants.append((mine, n, lo, hi, gamma, ks, buckets, below))
+    def __init__(self, events: RunEvents, cells: np.ndarray, n_cells: int):
+        self.chunks = [c for c in events.chunks if c.gaps.size]
+        self.cells, self.n_cells = cells, n_cells
+        size = max((c.gaps.size for c in self.chunks), default=0)
+        self.value = np.empty(size)
+        self.scratch = np.empty(size)
+        self.index = np.empty(size, dtype=np.int64)
+        self.cell = np.empty(size, dtype=np.int64)
+        narrow = np.int8 if n_cells < 127 else np.int32
+        self.event_cells = [
+            np.repeat(cells[c.row0 : c.row0 + c.rows].astype(narrow), c.later) for c in self.chunks
+        ]
+        # Bounds of every value (per token: gap / tokens lies between gap / most tokens and gap).
+        self.gap_min = min((float(c.gaps.min()) for c in self.chunks), default=0.0)
+        self.gap_max = max((float(c.gaps.max()) for c in self.chunks), default=0.0)
+        self.tok_max = max((int(c.tok.max()) for c in self.chunks), default=1)
+        self.total = np.bincount(cells, weights=events.gap_sum, minlength=n_cells + 1)
+        # Per record: its later events' count and tokens (the per-event and per-token counts), per cell.
+        later = events.later
+        self.count = {
+            False: np.bincount(cells, weights=later, minlength=n_cells + 1),
+            True: np.bincount(
+                cells, weights=np.nan_to_num(events.token_sum - events.first_tokens), minlength=n_cells + 1
+            ),
+        }
 
-    gathered_v, gathered_w, gathered_cell, gathered_bucket = [], [], [], []
-    for v, w, cell in zip(values, weights, cells, strict=True):
-        idx = bucket_of(v, cell)
-        d = v - mean_cell[cell]
-        m2 += np.bincount(cell, weights=d * d if w is None else d * d * w, minlength=n_cells + 1)
-        take = np.flatnonzero(lut[idx])
-        if take.size:
-            gathered_v.append(v[take])
-            gathered_w.append(None if w is None else w[take])
-            gathered_cell.append(cell[take])
-            gathered_bucket.append(idx[take] - cell[take].astype(np.int64) * n_buckets)
-    gv = np.concatenate(gathered_v) if gathered_v else np.empty(0)
-    gw = None if weights[0] is None else (np.concatenate(gathered_w) if gathered_w else np.empty(0))
-    gc = np.concatenate(gathered_cell) if gathered_cell else np.empty(0, dtype=np.int64)
-    gb = np.concatenate(gathered_bucket) if gathered_bucket else np.empty(0, dtype=np.int64)
+    def chunk(self, i: int, weighted: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Chunk ``i``'s values (per token: gap / tokens), weights and each event's cell, in the buffers."""
+        c = self.chunks[i]
+        n = c.gaps.size
+        cell = self.cell[:n]
+        cell[:] = self.event_cells[i]
+        if not weighted:
+            return c.gaps, None, cell
+        value = self.value[:n]
+        np.divide(c.gaps, c.tok, out=value)
+        return value, c.tok, cell
 
-    out = []
-    for s, want in enumerate(wants):
-        if want is None:
-            out.append(empty[s])
-            continue
-        mine, n, lo, hi, gamma, ks, buckets, below = want
-        in_scope = np.isin(gc, mine)
-        values_at = {}
-        for b in np.unique(buckets).tolist():
-            sel = in_scope & (gb == b)
-            at = buckets == b
-            local = (ks[at] - below[at]).astype(np.int64)
-            found = weighted_kth(gv[sel], None if gw is None else gw[sel], local)
-            values_at.update(zip(ks[at].tolist(), found.tolist(), strict=True))
-        lows = np.array([values_at[k] for k in lo.tolist()])
-        highs = np.array([values_at[k] for k in hi.tolist()])
-        known = dict(zip(qs, lerp(lows, highs, gamma).tolist(), strict=True))
-        cnt, mean, var = _combined(count[mine], mean_cell[mine], m2[mine])
-        out.append(Pooled(n, mean, math.sqrt(var), known, _Drawer(values, weights, cells, mine)))
-    return out
+    def figures(self, weighted: bool, scope_cells: list[list[int]], qs: list[float]) -> list[Pooled]:
+        n_cells = self.n_cells
+        empty = [Pooled(0, None, None, {}) for _ in scope_cells]
+        if n_cells == 0 or not self.chunks:
+            return empty
+        # Pass 1: each cell's histogram over the buckets.
+        low = self.gap_min / self.tok_max if weighted and self.gap_min > 0 else self.gap_min
+        lo_key = max(int(np.float64(low).view(np.int64)), _TINY_KEY) if low > 0 else _TINY_KEY
+        hi_key = max(int(np.float64(self.gap_max).view(np.int64)), _TINY_KEY)
+        shift = _SHIFT
+        while (hi_key >> shift) - (lo_key >> shift) + 1 > _MAX_BUCKETS:
+            shift += 1
+        buckets = _Buckets(shift, lo_key >> shift, (hi_key >> shift) - (lo_key >> shift) + 1)
+        slots = (n_cells + 1) * buckets.n
+        hist = np.zeros(slots)
+        for i in range(len(self.chunks)):
+            value, weight, cell = self.chunk(i, weighted)
+            index = buckets(value, cell, self.index[: value.size])
+            hist += np.bincount(index, weights=weight, minlength=slots)
+        hist = hist.reshape(n_cells + 1, buckets.n)
+        count = self.count[weighted]
+        total = self.total  # the sum of the gaps, per token too (tokens x gap / tokens)
+        mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+
+        # The buckets of every wanted order statistic, per scope.
+        wants: list[Any] = []
+        lut = np.zeros(slots, dtype=bool)
+        for mine in scope_cells:
+            n = int(round(count[mine].sum())) if mine else 0
+            if n == 0:
+                wants.append(None)
+                continue
+            cum = np.cumsum(hist[mine].sum(axis=0))
+            lo, hi, gamma = linear_positions(n, qs)
+            ks = np.unique(np.concatenate([lo, hi]))
+            at = np.searchsorted(cum, ks, side="right")
+            below = np.where(at > 0, cum[np.maximum(at - 1, 0)], 0)
+            for b in np.unique(at).tolist():
+                lut[np.array(mine) * buckets.n + b] = True
+            wants.append((mine, n, lo, hi, gamma, ks, at, below))
+
+        # Pass 2: the events in those buckets, and each cell's second moment about its own mean.
+        m2 = np.zeros(n_cells + 1)
+        got_value, got_weight, got_cell, got_bucket = [], [], [], []
+        for i, c in enumerate(self.chunks):
+            value, weight, cell = self.chunk(i, weighted)
+            index = buckets(value, cell, self.index[: value.size])
+            d = self.scratch[: value.size]
+            np.subtract(value, mean[cell], out=d)
+            np.multiply(d, d, out=d)
+            if weight is not None:
+                np.multiply(d, weight, out=d)
+            rows = self.cells[c.row0 : c.row0 + c.rows][c.with_later]
+            m2 += np.bincount(rows, weights=np.add.reduceat(d, c.starts), minlength=n_cells + 1)
+            take = np.flatnonzero(lut[index])
+            if take.size:
+                got_value.append(value[take])
+                got_weight.append(None if weight is None else weight[take])
+                got_cell.append(cell[take])
+                got_bucket.append(index[take] - cell[take] * buckets.n)
+        gv = np.concatenate(got_value) if got_value else np.empty(0)
+        gw = np.concatenate(got_weight) if weighted and got_weight else None
+        gc = np.concatenate(got_cell) if got_cell else np.empty(0, dtype=np.int64)
+        gb = np.concatenate(got_bucket) if got_bucket else np.empty(0, dtype=np.int64)
+
+        out = []
+        for s, want in enumerate(wants):
+            if want is None:
+                out.append(empty[s])
+                continue
+            mine, n, lo, hi, gamma, ks, at, below = want
+            in_scope = np.isin(gc, mine)
+            found: dict[int, float] = {}
+            for b in np.unique(at).tolist():
+                sel = in_scope & (gb == b)
+                here = at == b
+                local = (ks[here] - below[here]).astype(np.int64)
+                kth = weighted_kth(gv[sel], None if gw is None else gw[sel], local)
+                found.update(zip(ks[here].tolist(), kth.tolist(), strict=True))
+            lows = np.array([found[k] for k in lo.tolist()])
+            highs = np.array([found[k] for k in hi.tolist()])
+            known = dict(zip(qs, lerp(lows, highs, gamma).tolist(), strict=True))
+            _, mean_all, var = _combined(count[mine], mean[mine], m2[mine])
+            out.append(Pooled(n, mean_all, math.sqrt(var), known, _Drawer(self, weighted, mine)))
+        return out
 
 
 class _Buckets:
     """Each value's level-1 bucket within its cell's row of the histogram."""
 
     def __init__(self, shift: int, lo: int, n: int):
-        self.shift, self.lo, self.n, self.hi = (
-            np.int64(shift),
-            np.int64(lo),
-            np.int64(n),
-            np.int64(lo + n - 1),
-        )
+        self.shift, self.lo, self.n, self.hi = np.int64(shift), np.int64(lo), int(n), np.int64(lo + n - 1)
 
-    def __call__(self, v: np.ndarray, cell: np.ndarray) -> np.ndarray:
-        b = np.right_shift(v.view(np.int64), self.shift)
-        np.clip(b, self.lo, self.hi, out=b)
-        b += cell.astype(np.int64) * self.n - self.lo
-        return b
+    def __call__(self, value: np.ndarray, cell: np.ndarray, out: np.ndarray) -> np.ndarray:
+        np.right_shift(value.view(np.int64), self.shift, out=out)
+        np.clip(out, self.lo, self.hi, out=out)
+        out -= self.lo
+        out += cell * self.n
+        return out
 
 
 def _combined(count: np.ndarray, mean: np.ndarray, m2: np.ndarray) -> tuple[float, float, float]:
@@ -354,31 +399,32 @@ class _Drawer:
     """A uniform draw of a scope's samples for a plot: events drawn uniformly, each kept with a probability
     proportional to its weight (so tokens are drawn uniformly), seeded."""
 
-    def __init__(self, values, weights, cells, mine):
-        self.values, self.weights, self.cells, self.mine = values, weights, cells, mine
+    def __init__(self, scan: _Scan, weighted: bool, mine: list[int]):
+        self.scan, self.weighted, self.mine = scan, weighted, mine
 
     def __call__(self, n: int) -> np.ndarray:
         rng = np.random.default_rng(0)
-        chosen = [np.flatnonzero(np.isin(c, self.mine)) for c in self.cells]
-        sizes = np.array([c.size for c in chosen])
-        top = max((int(w.max()) for w in self.weights if w is not None and w.size), default=1)
-        mean = (
-            sum(float(w[c].sum()) for w, c in zip(self.weights, chosen, strict=True)) / sizes.sum()
-            if top > 1
-            else 1.0
-        )
-        draws = min(int(sizes.sum()), int(n * top / mean * 1.2) + 16)
-        at = np.sort(rng.integers(0, sizes.sum(), draws))
+        chunks = self.scan.chunks
+        top = max((int(c.tok.max()) for c in chunks), default=1) if self.weighted else 1
+        # The scope's events, chunk by chunk (its records' later events).
+        mine_rows = np.isin(self.scan.cells, self.mine)
+        sizes = np.array([int(c.later[mine_rows[c.row0 : c.row0 + c.rows]].sum()) for c in chunks])
+        events = int(sizes.sum())
+        if not events:
+            return np.empty(0)
+        tokens = float(self.scan.count[self.weighted][self.mine].sum())
+        draws = min(events, int(n * top * events / tokens * 1.2) + 16)
+        at = np.sort(rng.integers(0, events, draws)) if draws < events else np.arange(events)
         ends = np.cumsum(sizes)
         picked = []
-        for i, (v, w, c) in enumerate(zip(self.values, self.weights, chosen, strict=True)):
-            start = ends[i] - sizes[i]
-            local = at[(at >= start) & (at < ends[i])] - start
+        for i, (c, end, size) in enumerate(zip(chunks, ends.tolist(), sizes.tolist(), strict=True)):
+            local = at[(at >= end - size) & (at < end)] - (end - size)
             if not local.size:
                 continue
-            rows = c[local]
-            if w is not None and top > 1:
-                rows = rows[rng.random(rows.size) * top < w[rows]]
-            picked.append(v[rows])
+            value, weight, _ = self.scan.chunk(i, self.weighted)
+            positions = np.flatnonzero(np.repeat(mine_rows[c.row0 : c.row0 + c.rows], c.later))[local]
+            if weight is not None and top > 1:
+                positions = positions[rng.random(positions.size) * top < weight[positions]]
+            picked.append(value[positions].copy())
         drawn = np.concatenate(picked) if picked else np.empty(0)
         return np.sort(rng.permutation(drawn)[:n])

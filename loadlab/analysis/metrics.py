@@ -39,6 +39,7 @@ from loadlab.manifest import ClientVerdict, Manifest
 from loadlab.records import (
     COUNTS_CHUNKS,
     COUNTS_SERVER,
+    EVENT_FIELDS,
     MEASURE,
     OK,
     RECORD_FIELDS,
@@ -48,6 +49,16 @@ from loadlab.records import (
 )
 
 PERCENTILES = (90, 95, 99)
+
+# The record columns the summary and the report read as a table: all but the per-event ones (read a batch at
+# a time: ``record_events``, ``records.event_batches``) and the ones no figure uses (server_id is a distinct
+# string per record: ~1 s of a million records' reading).
+REPORT_FIELDS = tuple(
+    name
+    for name in RECORD_FIELDS
+    if name
+    not in (*EVENT_FIELDS, "server_id", "worker_id", "user_id", "api", "finish_reason", "prefix_group")
+)
 PERCENTILE_METHOD = "exact: numpy.percentile over the raw per-request samples, linear interpolation"
 
 # Latency metrics in the summary, in display order: key stem -> what it is.

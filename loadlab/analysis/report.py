@@ -10,7 +10,7 @@ import pandas as pd
 
 from loadlab.analysis.html import REPORT_HTML, render_html
 from loadlab.analysis.itl import RunEvents
-from loadlab.analysis.metrics import compute_summary, record_events
+from loadlab.analysis.metrics import REPORT_FIELDS, compute_summary, record_events
 from loadlab.analysis.server_metrics import read_server_metrics
 from loadlab.analysis.summary import (
     ESTIMATED_ROWS,
@@ -28,7 +28,6 @@ from loadlab.analysis.summary import (
 from loadlab.manifest import read_manifest
 from loadlab.records import (
     RECORD_FIELDS,
-    RECORD_FIELDS_BUT_EVENTS,
     RECORDS_JSONL,
     RECORDS_PARQUET,
     event_batches,
@@ -84,7 +83,7 @@ def _small_pages():
 def _write_report(run_dir: Path, source: str | None, html: bool) -> Summary:
     # Arrow lists and categorical text: no Python object per record or per event (a million records).
     if source == RECORDS_PARQUET:  # the per-event columns a row group at a time, never all at once
-        df = load_records(run_dir, columns=list(RECORD_FIELDS_BUT_EVENTS), arrow=True)
+        df = load_records(run_dir, columns=list(REPORT_FIELDS), arrow=True)
         events = RunEvents.of_batches(event_batches(run_dir), keep_times=html)
     else:
         df = load_records(run_dir, arrow=True) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
