@@ -465,11 +465,14 @@ class TableWriter:
         if self._parquet is None:
             # Receipt times are full doubles: neither a dictionary nor compression shrinks them, and reading
             # them back without either is ~2x faster (a million records' ~100M events: 1.2 s -> 0.6 s).
+            paths = {name: f"{name}.list.element" if name in EVENT_FIELDS else name for name in RECORD_FIELDS}
             self._parquet = pq.ParquetWriter(
                 self._partial(RECORDS_PARQUET),
                 table.schema,
-                use_dictionary=[name for name in RECORD_FIELDS if name != "arrival_ms"],
-                compression={name: "none" if name == "arrival_ms" else "snappy" for name in RECORD_FIELDS},
+                use_dictionary=[path for name, path in paths.items() if name != "arrival_ms"],
+                compression={
+                    path: "none" if name == "arrival_ms" else "snappy" for name, path in paths.items()
+                },
             )
         self._parquet.write_table(table)
         table = _csv_table(table, rows)

@@ -15,7 +15,7 @@ import pytest
 
 from loadlab.analysis import write_report
 from loadlab.analysis.html import _in_flight_per_second, _median_per_second, _tokens_per_second
-from loadlab.analysis.itl import RunEvents
+from loadlab.analysis.itl import RunEvents, itl_figures, weighted_kth
 from loadlab.analysis.metrics import compute_summary, record_events
 from loadlab.analysis.stats import BRACKET_MIN, Events, lists_batch, order_statistics, quantiles
 from loadlab.manifest import Counts, Manifest, TargetInfo, software_versions, write_manifest
@@ -31,6 +31,7 @@ from loadlab.records import (
     _arrow_table,
     _csv_table,
     load_records,
+    read_ahead,
     read_jsonl_records,
     recorded_indices,
     write_parquet,
@@ -319,3 +320,112 @@ def test_a_report_of_the_jsonl_alone_equals_the_parquets(tmp_path):
     assert kept == sum(len(r.arrival_ms) for r in records) - sum(
         1 for r in records for t in (r.arrival_tokens or [1] * len(r.arrival_ms)) if t <= 0
     ) - sum(max(len(r.arrival_ms) - len(r.arrival_tokens), 0) for r in records if r.arrival_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ITL of a run and its classes from the event chunks (itl.py), against numpy over the materialised samples
+
+
+def _gaps(kind: str, rng, n: int) -> np.ndarray:
+    if kind == "ties":  # coalesced reads (zero gaps) and a server's fixed step
+        return rng.choice([0.0, 5.0, 5.0, 10.0], n)
+    if kind == "negative":  # a clock that stepped back
+        return rng.normal(1, 3, n)
+    if kind == "tiny":  # below the buckets' floor (2^-20 ms) and far above it
+        return np.concatenate([rng.random(n // 2) * 1e-9, rng.lognormal(2, 2, n - n // 2)])
+    return rng.gamma(3, 2, n) * rng.choice([1, 1, 0], n)
+
+
+@pytest.mark.parametrize("kind", ["gamma", "ties", "negative", "tiny"])
+def test_itl_of_every_scope_equals_numpy_over_the_materialised_samples(kind):
+    """Seven batches of events (as row groups), scopes that nest (the run and its classes) and one that is
+    empty: counts, percentiles (to the last bit), mean and std of the per-token and per-event ITL equal
+    numpy's over each scope's samples as ``pooled_events`` materialises them."""
+    rng = np.random.default_rng(11)
+    batches = []
+    for _ in range(7):
+        lengths = rng.integers(0, 12, int(rng.integers(1, 300)))
+        ms = np.cumsum(_gaps(kind, rng, int(lengths.sum())))
+        batches.append((ms, lengths, rng.choice([1, 1, 2, 3, 0, 4], ms.size), lengths))
+    events = RunEvents.of_batches(batches)
+    flat = Events(*(np.concatenate(column) for column in zip(*batches, strict=True)))
+    klass, ok = rng.integers(0, 3, events.rows), rng.random(events.rows) < 0.8
+    scopes = [ok, ok & (klass == 0), ok & (klass == 1), ok & (klass == 7)]
+    qs = [50, 90, 95, 99, 99.9]
+    for scope, figures in zip(scopes, itl_figures(events, scopes, qs), strict=True):
+        pooled = flat.pooled(scope)
+        for metric, key in (("itl_ms", "itl_per_token"), ("itl_per_event_ms", "itl_per_event")):
+            samples, got = pooled[key], figures[metric]
+            assert got.count == samples.size
+            if not samples.size:
+                assert got.mean is None and got.known == {}
+                continue
+            assert [got.known[float(q)] for q in [0, *qs, 100]] == np.percentile(
+                samples, [0, *qs, 100]
+            ).tolist()
+            assert got.mean == pytest.approx(np.mean(samples), rel=1e-12, abs=1e-15)
+            assert got.std == pytest.approx(np.std(samples), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_weighted_order_statistics_are_those_of_the_repeated_values(ties):
+    """A gathered set larger than a sort's worth is split by its bits again (radix select), with weights."""
+    rng = np.random.default_rng(12)
+    values = rng.normal(0, 50, 300_000)
+    values = np.round(values) if ties else values
+    weights = rng.integers(1, 5, values.size)
+    repeated = np.sort(np.repeat(values, weights))
+    ranks = np.array([0, 1, repeated.size // 3, repeated.size // 2, repeated.size - 2, repeated.size - 1])
+    assert np.array_equal(weighted_kth(values, weights, ranks), repeated[ranks])
+    assert np.array_equal(weighted_kth(values, None, ranks[:3]), np.sort(values)[ranks[:3]])
+    assert np.array_equal(weighted_kth(np.full(50_000, 2.5), None, np.array([0, 49_999])), [2.5, 2.5])
+
+
+def test_a_plot_draw_is_uniform_over_the_tokens():
+    """report.html draws a CDF line through a draw of the per-token samples: each event kept in proportion to
+    its tokens, so the draw's quartiles are the samples' (within a draw's error)."""
+    rng = np.random.default_rng(13)
+    lengths = rng.integers(2, 40, 3000)
+    ms = np.cumsum(rng.gamma(2, 3, int(lengths.sum())))
+    tok = rng.choice([1, 4], ms.size, p=[0.5, 0.5])  # per token, the 4-token events are 4/5 of the samples
+    events = RunEvents.of_batches([(ms, lengths, tok, lengths)])
+    every = np.ones(events.rows, dtype=bool)
+    pooled = itl_figures(events, [every], [25, 75])[0]["itl_ms"]
+    drawn = pooled.draw(20_000)
+    assert drawn.size == 20_000 and np.all(np.diff(drawn) >= 0)
+    truth = Events(ms, lengths, tok, lengths).pooled()["itl_per_token"]
+    for q in (25, 75):
+        assert np.percentile(drawn, q) == pytest.approx(np.percentile(truth, q), rel=0.03)
+
+
+def test_records_parquet_stores_receipt_times_plainly():
+    """Receipt times are full doubles: written without a dictionary or compression (read back ~2x faster);
+    token counts keep both (a million records' counts in a few MB)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = TableWriter(Path(tmp), rows=64)
+        for r in make_records(100, seed=14):
+            writer.add(r)
+        group = pq.ParquetFile(writer.close()).metadata.row_group(0)
+        column = {group.column(i).path_in_schema: group.column(i) for i in range(group.num_columns)}
+        ms, tok = column["arrival_ms.list.element"], column["arrival_tokens.list.element"]
+        assert ms.compression == "UNCOMPRESSED" and "RLE_DICTIONARY" not in ms.encodings
+        assert tok.compression == "SNAPPY" and "RLE_DICTIONARY" in tok.encodings
+
+
+def test_read_ahead_hands_over_every_item_and_the_producers_error():
+    assert list(read_ahead(iter(range(50)), depth=2)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise ValueError("row group 2: bad")
+
+    got = []
+    with pytest.raises(ValueError, match="row group 2"):
+        for item in read_ahead(failing()):
+            got.append(item)
+    assert got == [1]
+    first = next(iter(read_ahead(iter(range(10**6)), depth=2)))  # a consumer that stops early
+    assert first == 0

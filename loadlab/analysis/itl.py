@@ -358,9 +358,10 @@ def _combined(count: np.ndarray, mean: np.ndarray, m2: np.ndarray) -> tuple[floa
 
 
 def _ordered_keys(v: np.ndarray) -> np.ndarray:
-    """float64 -> int64 in the same order (negatives' bits flipped)."""
-    k = v.view(np.int64)
-    return np.where(k < 0, k ^ np.int64(0x7FFFFFFFFFFFFFFF), k)
+    """float64 -> uint64 in the same order: a negative's bits all flipped, a positive's sign bit set."""
+    k = v.view(np.uint64)
+    sign = np.uint64(1 << 63)
+    return np.where(k & sign, ~k, k | sign)
 
 
 def weighted_kth(values: np.ndarray, weights: np.ndarray | None, ranks: np.ndarray) -> np.ndarray:
@@ -383,7 +384,7 @@ def weighted_kth(values: np.ndarray, weights: np.ndarray | None, ranks: np.ndarr
         out[:] = values[0]
         return out
     shift = max(0, (kmax - kmin).bit_length() - 12)
-    bucket = (keys - kmin) >> shift
+    bucket = ((keys - np.uint64(kmin)) >> np.uint64(shift)).astype(np.int64)
     counts = np.bincount(bucket, weights=weights)
     cum = np.cumsum(counts)
     where = np.searchsorted(cum, ranks, side="right")
