@@ -8,6 +8,7 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
@@ -16,7 +17,7 @@ import pytest
 from loadlab.analysis import write_report
 from loadlab.analysis.html import _in_flight_per_second, _median_per_second, _tokens_per_second
 from loadlab.analysis.itl import RunEvents, itl_figures, weighted_kth
-from loadlab.analysis.metrics import compute_summary, record_events
+from loadlab.analysis.metrics import compute_summary, counts_from, in_flight, record_events
 from loadlab.analysis.stats import BRACKET_MIN, Events, lists_batch, order_statistics, quantiles
 from loadlab.manifest import Counts, Manifest, TargetInfo, software_versions, write_manifest
 from loadlab.records import (
@@ -429,3 +430,28 @@ def test_read_ahead_hands_over_every_item_and_the_producers_error():
     assert got == [1]
     first = next(iter(read_ahead(iter(range(10**6)), depth=2)))  # a consumer that stops early
     assert first == 0
+
+
+def test_in_flight_equals_counting_at_every_moment():
+    """The sweep (sorted starts and ends merged) against a direct count over every segment between distinct
+    times, with ties (a start at another request's end), intervals outside the window and empty ones."""
+    rng = np.random.default_rng(15)
+    s = rng.integers(-5, 60, 3000).astype(float)
+    e = s + rng.integers(0, 15, s.size)
+    ws, we = 0.0, 50.0
+    got = in_flight(s, e, ws, we)
+    times = np.unique(np.concatenate([[ws, we], np.clip(s, ws, we), np.clip(e, ws, we)]))
+    counts = np.array([np.count_nonzero((s <= t) & (t < e)) for t in times[:-1]])
+    widths = np.diff(times)
+    assert got["mean"] == pytest.approx(float(np.sum(counts * widths)) / (we - ws), rel=1e-12)
+    assert (got["min"], got["max"]) == (int(counts.min()), int(counts.max()))
+
+
+def test_token_count_sources_counted_with_the_old_records_fallback():
+    df = pd.DataFrame(
+        {"arrival_tokens_from": pd.Categorical(["server", None, "spread", None, "server", "spread"])}
+    )
+    exact = np.array([True, True, False, False, True, False])
+    rows = np.array([True, True, True, True, False, True])
+    assert counts_from(df, rows, exact) == {"chunks": 1, "server": 2, "spread": 2}
+    assert counts_from(df.drop(columns="arrival_tokens_from"), rows, exact) == {"chunks": 3, "server": 2}

