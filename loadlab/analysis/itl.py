@@ -74,8 +74,11 @@ class RunEvents:
         chunks: list[_Chunk] = []
         per_row: list[tuple[np.ndarray, ...]] = []
         row0 = 0
+        scratch = np.empty(0)
         for ms, ms_lengths, tok, tok_lengths in batches:
-            ev = Events(ms, ms_lengths, tok, tok_lengths)
+            if scratch.size < len(ms):
+                scratch = np.empty(len(ms))
+            ev = Events(ms, ms_lengths, tok, tok_lengths, scratch)
             later = ev.later
             gaps = ev.gaps
             zero = np.flatnonzero(gaps == 0.0)
@@ -88,7 +91,7 @@ class RunEvents:
             gap_sum = np.zeros(ev.rows)
             if with_later.size:
                 gap_sum[with_later] = np.add.reduceat(gaps, starts)
-            chunk = _Chunk(row0, ev.rows, gaps, _narrow(ev.later_tok), later, with_later, starts)
+            chunk = _Chunk(row0, ev.rows, gaps, _narrow(ev.tok)[ev.later_mask], later, with_later, starts)
             if keep_times:
                 chunk.ms, chunk.all_tok, chunk.lengths = ev.ms, ev.tok, ev.lengths
             chunks.append(chunk)
