@@ -348,14 +348,31 @@ def event_batches(run_dir: Path):
     return read_ahead(groups())
 
 
+def native_threads() -> bool:
+    """Whether ``threading`` makes native threads here (not in a gevent-patched process: greenlets there)."""
+    import sys
+
+    gevent_monkey = sys.modules.get("gevent.monkey")
+    return gevent_monkey is None or not gevent_monkey.is_module_patched("threading")
+
+
+def side_by_side(calls) -> list[Any]:
+    """The results of ``calls`` (functions of no argument), each in a native thread where there are any (work
+    that releases the GIL, as numpy's and Arrow's loops do, then uses several cores); in turn otherwise."""
+    if len(calls) < 2 or not native_threads():
+        return [call() for call in calls]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="loadlab-side") as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 def read_ahead(items, depth: int = 2):
     """``items`` (an iterator), produced in a native thread up to ``depth`` ahead of the consumer; as it is in
     a gevent-patched process (no native thread to be had there: threading is greenlets)."""
-    import sys
     import threading
 
-    gevent_monkey = sys.modules.get("gevent.monkey")
-    if gevent_monkey is not None and gevent_monkey.is_module_patched("threading"):
+    if not native_threads():
         yield from items
         return
     import queue

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from loadlab.analysis.stats import Events, lerp, linear_positions
+from loadlab.records import side_by_side
 
 # A batch of records' per-event columns: receipt times (ms), each record's number of them, tokens per event,
 # each record's number of them (``records.event_batches``).
@@ -187,9 +188,19 @@ def itl_figures(
     cells[cells < 0] = n_cells  # records in no scope: a cell of their own, never read
     scan = _Scan(events, cells, n_cells)
     out: list[dict[str, Pooled]] = [{} for _ in scopes]
-    for metric in ITL_METRICS:
-        for i, figures in enumerate(scan.figures(metric == "itl_ms", scope_cells, qs)):
-            out[i][metric] = figures
+    # The two metrics' scans side by side (numpy's element-wise loops run without the GIL).
+    for metric, figures in zip(
+        ITL_METRICS,
+        side_by_side(
+            [
+                lambda weighted=metric == "itl_ms": scan.figures(weighted, scope_cells, qs)
+                for metric in ITL_METRICS
+            ]
+        ),
+        strict=True,
+    ):
+        for i, f in enumerate(figures):
+            out[i][metric] = f
     return out
 
 
@@ -214,11 +225,7 @@ class _Scan:
     def __init__(self, events: RunEvents, cells: np.ndarray, n_cells: int):
         self.chunks = [c for c in events.chunks if c.gaps.size]
         self.cells, self.n_cells = cells, n_cells
-        size = max((c.gaps.size for c in self.chunks), default=0)
-        self.value = np.empty(size)
-        self.scratch = np.empty(size)
-        self.index = np.empty(size, dtype=np.int64)
-        self.cell = np.empty(size, dtype=np.int64)
+        self.size = max((c.gaps.size for c in self.chunks), default=0)
         narrow = np.int8 if n_cells < 127 else np.int32
         self.event_cells = [
             np.repeat(cells[c.row0 : c.row0 + c.rows].astype(narrow), c.later) for c in self.chunks
@@ -237,15 +244,21 @@ class _Scan:
             ),
         }
 
-    def chunk(self, i: int, weighted: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """Chunk ``i``'s values (per token: gap / tokens), weights and each event's cell, in the buffers."""
+    def buffers(self) -> _Buffers:
+        """A pass's buffers: one set per thread, reused from chunk to chunk."""
+        return _Buffers(self.size)
+
+    def chunk(
+        self, i: int, weighted: bool, bufs: _Buffers
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Chunk ``i``'s values (per token: gap / tokens), weights and each event's cell, in ``bufs``."""
         c = self.chunks[i]
         n = c.gaps.size
-        cell = self.cell[:n]
+        cell = bufs.cell[:n]
         cell[:] = self.event_cells[i]
         if not weighted:
             return c.gaps, None, cell
-        value = self.value[:n]
+        value = bufs.value[:n]
         np.divide(c.gaps, c.tok, out=value)
         return value, c.tok, cell
 
@@ -264,9 +277,10 @@ class _Scan:
         buckets = _Buckets(shift, lo_key >> shift, (hi_key >> shift) - (lo_key >> shift) + 1)
         slots = (n_cells + 1) * buckets.n
         hist = np.zeros(slots)
+        bufs = self.buffers()
         for i in range(len(self.chunks)):
-            value, weight, cell = self.chunk(i, weighted)
-            index = buckets(value, cell, self.index[: value.size])
+            value, weight, cell = self.chunk(i, weighted, bufs)
+            index = buckets(value, cell, bufs.index[: value.size])
             hist += np.bincount(index, weights=weight, minlength=slots)
         hist = hist.reshape(n_cells + 1, buckets.n)
         count = self.count[weighted]
@@ -294,9 +308,9 @@ class _Scan:
         m2 = np.zeros(n_cells + 1)
         got_value, got_weight, got_cell, got_bucket = [], [], [], []
         for i, c in enumerate(self.chunks):
-            value, weight, cell = self.chunk(i, weighted)
-            index = buckets(value, cell, self.index[: value.size])
-            d = self.scratch[: value.size]
+            value, weight, cell = self.chunk(i, weighted, bufs)
+            index = buckets(value, cell, bufs.index[: value.size])
+            d = bufs.scratch[: value.size]
             np.subtract(value, mean[cell], out=d)
             np.multiply(d, d, out=d)
             if weight is not None:
@@ -334,6 +348,14 @@ class _Scan:
             _, mean_all, var = _combined(count[mine], mean[mine], m2[mine])
             out.append(Pooled(n, mean_all, math.sqrt(var), known, _Drawer(self, weighted, mine)))
         return out
+
+
+class _Buffers:
+    def __init__(self, size: int):
+        self.value = np.empty(size)
+        self.scratch = np.empty(size)
+        self.index = np.empty(size, dtype=np.int64)
+        self.cell = np.empty(size, dtype=np.int64)
 
 
 class _Buckets:
@@ -420,12 +442,13 @@ class _Drawer:
         draws = min(events, int(n * top * events / tokens * 1.2) + 16)
         at = np.sort(rng.integers(0, events, draws)) if draws < events else np.arange(events)
         ends = np.cumsum(sizes)
+        bufs = self.scan.buffers()
         picked = []
         for i, (c, end, size) in enumerate(zip(chunks, ends.tolist(), sizes.tolist(), strict=True)):
             local = at[(at >= end - size) & (at < end)] - (end - size)
             if not local.size:
                 continue
-            value, weight, _ = self.scan.chunk(i, self.weighted)
+            value, weight, _ = self.scan.chunk(i, self.weighted, bufs)
             positions = np.flatnonzero(np.repeat(mine_rows[c.row0 : c.row0 + c.rows], c.later))[local]
             if weight is not None and top > 1:
                 positions = positions[rng.random(positions.size) * top < weight[positions]]

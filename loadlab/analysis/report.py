@@ -32,6 +32,7 @@ from loadlab.records import (
     RECORDS_PARQUET,
     event_batches,
     load_records,
+    side_by_side,
 )
 
 __all__ = ["SUMMARY_JSON", "SUMMARY_MD", "render_markdown", "write_report"]
@@ -82,9 +83,13 @@ def _small_pages():
 
 def _write_report(run_dir: Path, source: str | None, html: bool) -> Summary:
     # Arrow lists and categorical text: no Python object per record or per event (a million records).
-    if source == RECORDS_PARQUET:  # the per-event columns a row group at a time, never all at once
-        df = load_records(run_dir, columns=list(REPORT_FIELDS), arrow=True)
-        events = RunEvents.of_batches(event_batches(run_dir), keep_times=html)
+    if source == RECORDS_PARQUET:  # the per-event columns a row group at a time, beside the other columns
+        df, events = side_by_side(
+            [
+                lambda: load_records(run_dir, columns=list(REPORT_FIELDS), arrow=True),
+                lambda: RunEvents.of_batches(event_batches(run_dir), keep_times=html),
+            ]
+        )
     else:
         df = load_records(run_dir, arrow=True) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
         events = record_events(df, keep_times=html)  # read once: the summary's samples, the timeline's tokens
