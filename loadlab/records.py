@@ -421,8 +421,9 @@ def _event_columns(table, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
             out += [np.empty(0), np.zeros(rows, dtype=np.int64)]
             continue
         column = table.column(name)
-        array = column.combine_chunks() if hasattr(column, "combine_chunks") else column
-        out += list(list_values(array))
+        if hasattr(column, "num_chunks"):  # a table's column: one chunk as a rule (no copy then)
+            column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+        out += list(list_values(column))
     return out[0], out[1], out[2], out[3]
 
 
