@@ -90,7 +90,7 @@ def _cdfs(samples: dict[str, np.ndarray], itl_label: str = "ITL (per token)"):
             ax.set_xlim(values[0], marks[3])
             clipped = ", to P99.9"
         drawn = f", the line drawn through {values.size} of them" if count > values.size else ""
-        ax.set_title(f"{title} CDF ({count} samples{clipped}{drawn})")
+        ax.set_title(f"{title} CDF\n({count} samples{clipped}{drawn})", fontsize=9)
         ax.set_xlabel("ms")
         ax.set_ylim(0, 1.01)
         ax.grid(alpha=0.3)
