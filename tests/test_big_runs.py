@@ -16,7 +16,7 @@ import pytest
 
 from loadlab.analysis import write_report
 from loadlab.analysis.html import _in_flight_per_second, _median_per_second, _tokens_per_second
-from loadlab.analysis.itl import RunEvents, itl_figures, weighted_kth
+from loadlab.analysis.itl import RunEvents, _cells, _Scan, itl_figures, weighted_kth
 from loadlab.analysis.metrics import compute_summary, counts_from, in_flight, record_events
 from loadlab.analysis.stats import BRACKET_MIN, Events, lists_batch, order_statistics, quantiles
 from loadlab.manifest import Counts, Manifest, TargetInfo, software_versions, write_manifest
@@ -455,3 +455,42 @@ def test_token_count_sources_counted_with_the_old_records_fallback():
     rows = np.array([True, True, True, True, False, True])
     assert counts_from(df, rows, exact) == {"chunks": 1, "server": 2, "spread": 2}
     assert counts_from(df.drop(columns="arrival_tokens_from"), rows, exact) == {"chunks": 3, "server": 2}
+
+
+@pytest.mark.parametrize("shape", ["steady", "drifting", "pilot_unlike_the_rest", "constant"])
+def test_the_one_pass_scan_and_its_fallback_give_numpys_figures(shape):
+    """40 chunks: a pilot of every 5th predicts where each order statistic lies and one pass gathers those
+    buckets; where the pilot misleads (its chunks unlike the others, ~1M events so that its margin is
+    narrow) the scan falls back to two exact passes. Either way, numpy's figures."""
+    rng = np.random.default_rng(16)
+    batches = []
+    for b in range(40):
+        lengths = rng.integers(0, 50, 500 if shape == "pilot_unlike_the_rest" else 60)
+        n = int(lengths.sum())
+        if shape == "constant":
+            gaps = np.full(n, 7.25)
+        else:  # a run that slows down; or the pilot's chunks (every 5th) 10x slower than the rest
+            scale = {"steady": 2, "drifting": 2 + b / 10, "pilot_unlike_the_rest": 20 if b % 5 == 0 else 2}[
+                shape
+            ]
+            gaps = rng.gamma(3, scale, n)
+        batches.append((np.cumsum(gaps), lengths, rng.choice([1, 1, 2, 4], n), lengths))
+    events = RunEvents.of_batches(batches)
+    flat = Events(*(np.concatenate(column) for column in zip(*batches, strict=True)))
+    klass, ok = rng.integers(0, 3, events.rows), rng.random(events.rows) < 0.9
+    scopes = [ok, ok & (klass == 0), ok & (klass == 1)]
+    cells, scope_cells = _cells(scopes, events.rows)
+    n_cells = int(cells.max()) + 1
+    cells[cells < 0] = n_cells
+    scan = _Scan(events, cells, n_cells)
+    qs = [0.0, 50.0, 90.0, 95.0, 99.0, 99.9, 100.0]
+    for weighted, key in ((False, "itl_per_event"), (True, "itl_per_token")):
+        figures = scan.figures(weighted, scope_cells, qs)
+        if shape in ("steady", "constant", "pilot_unlike_the_rest"):
+            assert scan.one_pass[weighted] is (shape != "pilot_unlike_the_rest")
+        for scope, got in zip(scopes, figures, strict=True):
+            samples = flat.pooled(scope)[key]
+            assert got.count == samples.size
+            assert [got.known[q] for q in qs] == np.percentile(samples, qs).tolist()
+            assert got.mean == pytest.approx(np.mean(samples), rel=1e-12)
+            assert got.std == pytest.approx(np.std(samples), rel=1e-9, abs=1e-12)

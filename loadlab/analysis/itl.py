@@ -226,6 +226,7 @@ class _Scan:
         self.chunks = [c for c in events.chunks if c.gaps.size]
         self.cells, self.n_cells = cells, n_cells
         self.size = max((c.gaps.size for c in self.chunks), default=0)
+        self.one_pass = {False: False, True: False}  # per metric (weighted: per token), how it went
         narrow = np.int8 if n_cells < 127 else np.int32
         self.event_cells = [
             np.repeat(cells[c.row0 : c.row0 + c.rows].astype(narrow), c.later) for c in self.chunks
@@ -267,7 +268,6 @@ class _Scan:
         empty = [Pooled(0, None, None, {}) for _ in scope_cells]
         if n_cells == 0 or not self.chunks:
             return empty
-        # Pass 1: each cell's histogram over the buckets.
         low = self.gap_min / self.tok_max if weighted and self.gap_min > 0 else self.gap_min
         lo_key = max(int(np.float64(low).view(np.int64)), _TINY_KEY) if low > 0 else _TINY_KEY
         hi_key = max(int(np.float64(self.gap_max).view(np.int64)), _TINY_KEY)
@@ -275,84 +275,188 @@ class _Scan:
         while (hi_key >> shift) - (lo_key >> shift) + 1 > _MAX_BUCKETS:
             shift += 1
         buckets = _Buckets(shift, lo_key >> shift, (hi_key >> shift) - (lo_key >> shift) + 1)
-        slots = (n_cells + 1) * buckets.n
-        hist = np.zeros(slots)
-        bufs = self.buffers()
-        for i in range(len(self.chunks)):
-            value, weight, cell = self.chunk(i, weighted, bufs)
-            index = buckets(value, cell, bufs.index[: value.size])
-            hist += np.bincount(index, weights=weight, minlength=slots)
-        hist = hist.reshape(n_cells + 1, buckets.n)
         count = self.count[weighted]
-        total = self.total  # the sum of the gaps, per token too (tokens x gap / tokens)
-        mean = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+        chunks = list(range(len(self.chunks)))
+        answer = None
+        if len(chunks) >= _PILOT_MIN:
+            # One pass: a pilot of every few chunks says where each wanted order statistic will lie, and the
+            # pass gathers those buckets (with a margin) as it counts; the answer stands if every statistic
+            # fell in a gathered bucket and the moments about the pilot's means kept their precision.
+            pilot = self._pass(chunks[:: len(chunks) // _PILOT_CHUNKS], weighted, buckets)
+            pilot_count = pilot.hist.sum(axis=1)
+            centre = np.divide(pilot.s1, pilot_count, out=np.zeros(n_cells + 1), where=pilot_count > 0)
+            lut = self._predicted(pilot.hist, scope_cells, qs, count, buckets)
+            scan = self._pass(chunks, weighted, buckets, lut=lut, centre=centre)
+            answer = self._answer(scan, lut, count, centre, scope_cells, qs, buckets, weighted)
+        self.one_pass[weighted] = answer is not None
+        if answer is None:  # two passes: the counts, then exactly the wanted buckets about exact means
+            scan = self._pass(chunks, weighted, buckets)
+            mean = np.divide(self.total, count, out=np.zeros(n_cells + 1), where=count > 0)
+            lut = self._wanted(scan.hist, scope_cells, qs, count, buckets)
+            second = self._pass(chunks, weighted, buckets, lut=lut, centre=mean, counting=False)
+            second.hist = scan.hist
+            answer = self._answer(second, lut, count, mean, scope_cells, qs, buckets, weighted, exact=True)
+        return answer
 
-        # The buckets of every wanted order statistic, per scope.
-        wants: list[Any] = []
-        lut = np.zeros(slots, dtype=bool)
-        for mine in scope_cells:
-            n = int(round(count[mine].sum())) if mine else 0
-            if n == 0:
-                wants.append(None)
-                continue
-            cum = np.cumsum(hist[mine].sum(axis=0))
-            lo, hi, gamma = linear_positions(n, qs)
-            ks = np.unique(np.concatenate([lo, hi]))
-            at = np.searchsorted(cum, ks, side="right")
-            below = np.where(at > 0, cum[np.maximum(at - 1, 0)], 0)
-            for b in np.unique(at).tolist():
-                lut[np.array(mine) * buckets.n + b] = True
-            wants.append((mine, n, lo, hi, gamma, ks, at, below))
-
-        # Pass 2: the events in those buckets, and each cell's second moment about its own mean.
-        m2 = np.zeros(n_cells + 1)
-        got_value, got_weight, got_cell, got_bucket = [], [], [], []
-        for i, c in enumerate(self.chunks):
+    def _pass(self, chunks, weighted, buckets, lut=None, centre=None, counting=True) -> _Passed:
+        """One pass over ``chunks``: each cell's histogram (``counting``), the events in the buckets ``lut``
+        marks, and each cell's first and second moments about ``centre`` (its sum about 0 without one)."""
+        n_cells, slots = self.n_cells, (self.n_cells + 1) * buckets.n
+        out = _Passed(np.zeros(slots) if counting else None, np.zeros(n_cells + 1), np.zeros(n_cells + 1))
+        bufs = self.buffers()
+        for i in chunks:
+            c = self.chunks[i]
             value, weight, cell = self.chunk(i, weighted, bufs)
             index = buckets(value, cell, bufs.index[: value.size])
-            d = bufs.scratch[: value.size]
-            np.subtract(value, mean[cell], out=d)
-            np.multiply(d, d, out=d)
-            if weight is not None:
-                np.multiply(d, weight, out=d)
+            if counting:
+                out.hist += np.bincount(index, weights=weight, minlength=slots)
             rows = self.cells[c.row0 : c.row0 + c.rows][c.with_later]
-            m2 += np.bincount(rows, weights=np.add.reduceat(d, c.starts), minlength=n_cells + 1)
-            take = np.flatnonzero(lut[index])
-            if take.size:
-                got_value.append(value[take])
-                got_weight.append(None if weight is None else weight[take])
-                got_cell.append(cell[take])
-                got_bucket.append(index[take] - cell[take] * buckets.n)
-        gv = np.concatenate(got_value) if got_value else np.empty(0)
-        gw = np.concatenate(got_weight) if weighted and got_weight else None
-        gc = np.concatenate(got_cell) if got_cell else np.empty(0, dtype=np.int64)
-        gb = np.concatenate(got_bucket) if got_bucket else np.empty(0, dtype=np.int64)
+            if centre is None:  # sums only: the values themselves (never written to)
+                d = value
+            else:
+                d = bufs.scratch[: value.size]
+                np.take(centre, cell, out=d)
+                np.subtract(value, d, out=d)
+            w_d = d if weight is None else np.multiply(d, weight, out=bufs.value2[: value.size])
+            out.s1 += np.bincount(rows, weights=np.add.reduceat(w_d, c.starts), minlength=n_cells + 1)
+            if centre is not None:
+                np.multiply(w_d, d, out=d)
+                out.s2 += np.bincount(rows, weights=np.add.reduceat(d, c.starts), minlength=n_cells + 1)
+            if lut is not None:
+                take = np.flatnonzero(lut[index])
+                if take.size:
+                    out.values.append(value[take])
+                    out.weights.append(None if weight is None else weight[take])
+                    out.cells.append(cell[take])
+                    out.buckets.append(index[take] - cell[take] * buckets.n)
+        if counting:
+            out.hist = out.hist.reshape(n_cells + 1, buckets.n)
+        return out
 
-        out = []
-        for s, want in enumerate(wants):
-            if want is None:
-                out.append(empty[s])
+    def _wanted(self, hist, scope_cells, qs, count, buckets) -> np.ndarray:
+        """The buckets (per cell) that hold a wanted order statistic of a scope."""
+        lut = np.zeros((self.n_cells + 1) * buckets.n, dtype=bool)
+        for want in _targets(hist, scope_cells, qs, count):
+            if want is not None:
+                for b in np.unique(want.at).tolist():
+                    lut[np.array(want.cells) * buckets.n + b] = True
+        return lut
+
+    def _predicted(self, pilot_hist, scope_cells, qs, count, buckets) -> np.ndarray:
+        """The buckets where a pilot's histogram says each wanted order statistic lies, with a margin of
+        six standard errors of a quantile's rank plus 0.1 % of the ranks either side."""
+        lut = np.zeros((self.n_cells + 1) * buckets.n, dtype=bool)
+        for mine in scope_cells:
+            n = float(count[mine].sum()) if mine else 0.0
+            cum = np.cumsum(pilot_hist[mine].sum(axis=0)) if mine else np.zeros(1)
+            if n == 0 or cum[-1] == 0:
                 continue
-            mine, n, lo, hi, gamma, ks, at, below = want
+            p = np.array(qs) / 100
+            margin = 6 * np.sqrt(p * (1 - p) / cum[-1]) + 0.001
+            first = np.searchsorted(cum, np.clip(p - margin, 0, 1) * cum[-1], side="right")
+            first[p - margin <= 0] = 0  # the minimum may lie below anything the pilot saw: every bucket up
+            last = np.searchsorted(cum, np.clip(p + margin, 0, 1) * cum[-1], side="right")
+            last[p + margin >= 1] = buckets.n - 1  # and the maximum above it
+            for a, b in zip(first.tolist(), np.minimum(last, buckets.n - 1).tolist(), strict=True):
+                for cell in mine:
+                    lut[cell * buckets.n + a : cell * buckets.n + b + 1] = True
+        return lut
+
+    def _answer(
+        self, scan, lut, count, centre, scope_cells, qs, buckets, weighted, exact=False
+    ) -> list[Pooled] | None:
+        """Every scope's figures from a pass that gathered ``lut``'s buckets; None when a wanted order
+        statistic lies outside them or the moments lost their precision (the pilot misled), unless
+        ``exact`` (the moments are about the exact means and the buckets are the wanted ones)."""
+        wants = _targets(scan.hist, scope_cells, qs, count)
+        for want in wants:
+            if want is not None and not all(
+                lut[cell * buckets.n + b] for b in np.unique(want.at).tolist() for cell in want.cells
+            ):
+                return None
+        safe = np.maximum(count, 1)
+        shift = scan.s1 / safe  # the mean's distance from the centre
+        m2 = scan.s2 - scan.s1 * shift
+        if not exact and np.any((count > 0) & (scan.s2 > _PRECISION * np.maximum(m2, 0))):
+            return None
+        mean = centre + shift
+        gv = np.concatenate(scan.values) if scan.values else np.empty(0)
+        gw = np.concatenate(scan.weights) if weighted and scan.weights else None
+        gc = np.concatenate(scan.cells) if scan.cells else np.empty(0, dtype=np.int64)
+        gb = np.concatenate(scan.buckets) if scan.buckets else np.empty(0, dtype=np.int64)
+        out = []
+        for mine, want in zip(scope_cells, wants, strict=True):
+            if want is None:
+                out.append(Pooled(0, None, None, {}))
+                continue
             in_scope = np.isin(gc, mine)
             found: dict[int, float] = {}
-            for b in np.unique(at).tolist():
+            for b in np.unique(want.at).tolist():
                 sel = in_scope & (gb == b)
-                here = at == b
-                local = (ks[here] - below[here]).astype(np.int64)
+                here = want.at == b
+                local = (want.ks[here] - want.below[here]).astype(np.int64)
                 kth = weighted_kth(gv[sel], None if gw is None else gw[sel], local)
-                found.update(zip(ks[here].tolist(), kth.tolist(), strict=True))
-            lows = np.array([found[k] for k in lo.tolist()])
-            highs = np.array([found[k] for k in hi.tolist()])
-            known = dict(zip(qs, lerp(lows, highs, gamma).tolist(), strict=True))
-            _, mean_all, var = _combined(count[mine], mean[mine], m2[mine])
-            out.append(Pooled(n, mean_all, math.sqrt(var), known, _Drawer(self, weighted, mine)))
+                found.update(zip(want.ks[here].tolist(), kth.tolist(), strict=True))
+            lows = np.array([found[k] for k in want.lo.tolist()])
+            highs = np.array([found[k] for k in want.hi.tolist()])
+            known = dict(zip(qs, lerp(lows, highs, want.gamma).tolist(), strict=True))
+            _, mean_all, var = _combined(count[mine], mean[mine], np.maximum(m2[mine], 0))
+            out.append(Pooled(want.n, mean_all, math.sqrt(var), known, _Drawer(self, weighted, mine)))
         return out
+
+
+# The one-pass scan: a pilot of about this many chunks, for scans of at least _PILOT_MIN chunks.
+_PILOT_CHUNKS = 8
+_PILOT_MIN = 16
+# Moments about a pilot's mean are kept when the sum of squares is at most this many times the second
+# moment about the mean (a cancellation of at most 4 of the 16 digits); else the exact two passes.
+_PRECISION = 1e4
+
+
+@dataclass
+class _Passed:
+    hist: Any
+    s1: np.ndarray
+    s2: np.ndarray
+    values: list = field(default_factory=list)
+    weights: list = field(default_factory=list)
+    cells: list = field(default_factory=list)
+    buckets: list = field(default_factory=list)
+
+
+@dataclass
+class _Target:
+    cells: list[int]
+    n: int
+    lo: np.ndarray
+    hi: np.ndarray
+    gamma: np.ndarray
+    ks: np.ndarray  # the order statistics wanted (0-based ranks), their buckets, and the count below each
+    at: np.ndarray
+    below: np.ndarray
+
+
+def _targets(hist, scope_cells, qs, count) -> list[_Target | None]:
+    """Per scope, the order statistics its percentiles need and the bucket each lies in."""
+    out: list[_Target | None] = []
+    for mine in scope_cells:
+        n = int(round(count[mine].sum())) if mine else 0
+        if n == 0:
+            out.append(None)
+            continue
+        cum = np.cumsum(hist[mine].sum(axis=0))
+        lo, hi, gamma = linear_positions(n, qs)
+        ks = np.unique(np.concatenate([lo, hi]))
+        at = np.searchsorted(cum, ks, side="right")
+        below = np.where(at > 0, cum[np.maximum(at - 1, 0)], 0)
+        out.append(_Target(mine, n, lo, hi, gamma, ks, at, below))
+    return out
 
 
 class _Buffers:
     def __init__(self, size: int):
         self.value = np.empty(size)
+        self.value2 = np.empty(size)
         self.scratch = np.empty(size)
         self.index = np.empty(size, dtype=np.int64)
         self.cell = np.empty(size, dtype=np.int64)
