@@ -461,7 +461,8 @@ def test_token_count_sources_counted_with_the_old_records_fallback():
 def test_the_one_pass_scan_and_its_fallback_give_numpys_figures(shape):
     """40 chunks: a pilot of every 5th predicts where each order statistic lies and one pass gathers those
     buckets; where the pilot misleads (its chunks unlike the others, ~1M events so that its margin is
-    narrow) the scan falls back to two exact passes. Either way, numpy's figures."""
+    narrow), or where the records' sums of squares would cancel (a constant gap), the scan falls back to two
+    exact passes. Either way, numpy's figures."""
     rng = np.random.default_rng(16)
     batches = []
     for b in range(40):
@@ -486,8 +487,10 @@ def test_the_one_pass_scan_and_its_fallback_give_numpys_figures(shape):
     qs = [0.0, 50.0, 90.0, 95.0, 99.0, 99.9, 100.0]
     for weighted, key in ((False, "itl_per_event"), (True, "itl_per_token")):
         figures = scan.figures(weighted, scope_cells, qs)
-        if shape in ("steady", "constant", "pilot_unlike_the_rest"):
-            assert scan.one_pass[weighted] is (shape != "pilot_unlike_the_rest")
+        if shape in ("steady", "pilot_unlike_the_rest"):
+            assert scan.one_pass[weighted] is (shape == "steady")
+        if shape == "constant" and not weighted:  # sums of squares would cancel: the exact passes
+            assert scan.one_pass[weighted] is False
         for scope, got in zip(scopes, figures, strict=True):
             samples = flat.pooled(scope)[key]
             assert got.count == samples.size

@@ -67,6 +67,10 @@ class RunEvents:
     token_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))
     zero_gaps: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     gap_sum: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the sum of a record's gaps
+    # Per record, the sums of its gaps' squares, and of each squared gap over its tokens (per-token samples'
+    # second moment about 0: tokens x (gap / tokens)^2).
+    gap_squares: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    gap_squares_per_token: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
     def of_batches(cls, batches: Iterable[EventBatch], keep_times: bool = False) -> RunEvents:
@@ -89,21 +93,24 @@ class RunEvents:
             with_later = np.flatnonzero(later)
             starts = np.zeros(with_later.size, dtype=np.int64)
             np.cumsum(later[with_later][:-1], out=starts[1:])
-            gap_sum = np.zeros(ev.rows)
+            later_tok = _narrow(ev.tok)[ev.later_mask]
+            gap_sum, squares, per_token = np.zeros(ev.rows), np.zeros(ev.rows), np.zeros(ev.rows)
             if with_later.size:
                 gap_sum[with_later] = np.add.reduceat(gaps, starts)
-            chunk = _Chunk(row0, ev.rows, gaps, _narrow(ev.tok)[ev.later_mask], later, with_later, starts)
+                square = np.multiply(gaps, gaps, out=scratch[: gaps.size])
+                squares[with_later] = np.add.reduceat(square, starts)
+                per_token[with_later] = np.add.reduceat(np.divide(square, later_tok, out=square), starts)
+            chunk = _Chunk(row0, ev.rows, gaps, later_tok, later, with_later, starts)
             if keep_times:
                 chunk.ms, chunk.all_tok, chunk.lengths = ev.ms, ev.tok, ev.lengths
             chunks.append(chunk)
-            per_row.append((ev.lengths, ev.first_tokens, ev.token_sum, zero_gaps, gap_sum))
+            per_row.append(
+                (ev.lengths, ev.first_tokens, ev.token_sum, zero_gaps, gap_sum, squares, per_token)
+            )
             row0 += ev.rows
         if not per_row:
             return cls()
-        lengths, first_tokens, token_sum, zero_gaps, gap_sum = (
-            np.concatenate(c) for c in zip(*per_row, strict=True)
-        )
-        return cls(chunks, lengths, first_tokens, token_sum, zero_gaps, gap_sum)
+        return cls(chunks, *(np.concatenate(c) for c in zip(*per_row, strict=True)))
 
     @property
     def rows(self) -> int:
@@ -236,6 +243,10 @@ class _Scan:
         self.gap_max = max((float(c.gaps.max()) for c in self.chunks), default=0.0)
         self.tok_max = max((int(c.tok.max()) for c in self.chunks), default=1)
         self.total = np.bincount(cells, weights=events.gap_sum, minlength=n_cells + 1)
+        self.squares = {
+            False: np.bincount(cells, weights=events.gap_squares, minlength=n_cells + 1),
+            True: np.bincount(cells, weights=events.gap_squares_per_token, minlength=n_cells + 1),
+        }
         # Per record: its later events' count and tokens (the per-event and per-token counts), per cell.
         later = events.later
         self.count = {
@@ -280,14 +291,14 @@ class _Scan:
         answer = None
         if len(chunks) >= _PILOT_MIN:
             # One pass: a pilot of every few chunks says where each wanted order statistic will lie, and the
-            # pass gathers those buckets (with a margin) as it counts; the answer stands if every statistic
-            # fell in a gathered bucket and the moments about the pilot's means kept their precision.
+            # pass gathers those buckets (with a margin) as it counts; the moments come from each record's
+            # sums (RunEvents). The answer stands if every statistic fell in a gathered bucket and the
+            # moments kept their precision.
             pilot = self._pass(chunks[:: len(chunks) // _PILOT_CHUNKS], weighted, buckets)
-            pilot_count = pilot.hist.sum(axis=1)
-            centre = np.divide(pilot.s1, pilot_count, out=np.zeros(n_cells + 1), where=pilot_count > 0)
             lut = self._predicted(pilot.hist, scope_cells, qs, count, buckets)
-            scan = self._pass(chunks, weighted, buckets, lut=lut, centre=centre)
-            answer = self._answer(scan, lut, count, centre, scope_cells, qs, buckets, weighted)
+            scan = self._pass(chunks, weighted, buckets, lut=lut)
+            scan.s1, scan.s2 = self.total, self.squares[weighted]
+            answer = self._answer(scan, lut, count, np.zeros(n_cells + 1), scope_cells, qs, buckets, weighted)
         self.one_pass[weighted] = answer is not None
         if answer is None:  # two passes: the counts, then exactly the wanted buckets about exact means
             scan = self._pass(chunks, weighted, buckets)
@@ -300,7 +311,7 @@ class _Scan:
 
     def _pass(self, chunks, weighted, buckets, lut=None, centre=None, counting=True) -> _Passed:
         """One pass over ``chunks``: each cell's histogram (``counting``), the events in the buckets ``lut``
-        marks, and each cell's first and second moments about ``centre`` (its sum about 0 without one)."""
+        marks, and (``centre``) each cell's first and second moments about it."""
         n_cells, slots = self.n_cells, (self.n_cells + 1) * buckets.n
         out = _Passed(np.zeros(slots) if counting else None, np.zeros(n_cells + 1), np.zeros(n_cells + 1))
         bufs = self.buffers()
@@ -310,16 +321,13 @@ class _Scan:
             index = buckets(value, cell, bufs.index[: value.size])
             if counting:
                 out.hist += np.bincount(index, weights=weight, minlength=slots)
-            rows = self.cells[c.row0 : c.row0 + c.rows][c.with_later]
-            if centre is None:  # sums only: the values themselves (never written to)
-                d = value
-            else:
+            if centre is not None:  # moments about the cells' means
+                rows = self.cells[c.row0 : c.row0 + c.rows][c.with_later]
                 d = bufs.scratch[: value.size]
                 np.take(centre, cell, out=d)
                 np.subtract(value, d, out=d)
-            w_d = d if weight is None else np.multiply(d, weight, out=bufs.value2[: value.size])
-            out.s1 += np.bincount(rows, weights=np.add.reduceat(w_d, c.starts), minlength=n_cells + 1)
-            if centre is not None:
+                w_d = d if weight is None else np.multiply(d, weight, out=bufs.value2[: value.size])
+                out.s1 += np.bincount(rows, weights=np.add.reduceat(w_d, c.starts), minlength=n_cells + 1)
                 np.multiply(w_d, d, out=d)
                 out.s2 += np.bincount(rows, weights=np.add.reduceat(d, c.starts), minlength=n_cells + 1)
             if lut is not None:
