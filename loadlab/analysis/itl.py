@@ -2,20 +2,25 @@
 
 A million records carry ~100M token-carrying events and ~160M per-token ITL samples: materialising those
 samples for the run and again for each SLO class took most of a 45 s summary. Here the events are kept as
-each batch's (a Parquet row group's) later-event gaps and token counts (``RunEvents``), and every scope's
-figures come from two passes over them (``itl_figures``):
+each batch's (a Parquet row group's) later-event gaps and token counts (``RunEvents``, with each record's
+sums of gaps and squared gaps), and every scope's figures come from passes over them (``itl_figures``):
 
-1. one histogram per *cell* (the requests that belong to the same set of scopes: the run and one class, say)
-   over buckets of the value's bits (sign, exponent and 12 bits of mantissa, ~0.025 % wide), per event and
-   weighted by tokens, plus each cell's sums; a scope's histogram is the sum of its cells';
-2. one gather of the events in the buckets that hold a wanted order statistic, whose exact value a radix
-   select among the few gathered finds (``weighted_kth``).
+- a histogram per *cell* (the requests that belong to the same set of scopes: the run and one class, say)
+  over buckets of the value's bits (sign, exponent and 12 bits of mantissa, ~0.025 % wide), per event or
+  weighted by tokens; a scope's histogram is the sum of its cells';
+- the events in the buckets that hold a wanted order statistic, gathered, whose exact values a radix select
+  among those few finds (``weighted_kth``).
+
+With 16 chunks or more this is one pass: a pilot of every eighth chunk says where each order statistic will
+lie, and the pass gathers those buckets with a margin as it counts; the means and standard deviations come
+from the records' sums. When the pilot misled (a statistic outside what was gathered) or the sums would lose
+precision (a near-constant metric), two exact passes follow: the counts, then the wanted buckets and the
+moments about each cell's exact mean.
 
 The per-token samples of a request are ``gap / tokens`` repeated ``tokens`` times (``stats.itl_samples``);
 here each event stands for its repeats with a weight, so a percentile is the same order statistic of the same
 multiset as numpy.percentile over the materialised samples, to the last bit (tests/test_big_runs.py). Means
-and standard deviations are sums per request, then per cell (Chan's combination across cells), equal to
-numpy's to ~1e-12.
+and standard deviations agree with numpy's to ~1e-12.
 """
 
 from __future__ import annotations
