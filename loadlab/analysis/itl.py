@@ -25,6 +25,7 @@ and standard deviations agree with numpy's to ~1e-12.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -201,16 +202,8 @@ def itl_figures(
     scan = _Scan(events, cells, n_cells)
     out: list[dict[str, Pooled]] = [{} for _ in scopes]
     # The two metrics' scans side by side (numpy's element-wise loops run without the GIL).
-    for metric, figures in zip(
-        ITL_METRICS,
-        side_by_side(
-            [
-                lambda weighted=metric == "itl_ms": scan.figures(weighted, scope_cells, qs)
-                for metric in ITL_METRICS
-            ]
-        ),
-        strict=True,
-    ):
+    scans = [functools.partial(scan.figures, metric == "itl_ms", scope_cells, qs) for metric in ITL_METRICS]
+    for metric, figures in zip(ITL_METRICS, side_by_side(scans), strict=True):
         for i, f in enumerate(figures):
             out[i][metric] = f
     return out
