@@ -16,8 +16,12 @@ Each step runs in a process of its own (its peak RSS is its own), pinned with ``
 The records are ``bench/make_big_run.py``'s (64-256 tokens each, mixed outcomes, two SLO classes, four
 workers), written once per size into ``--dir`` and reused.
 
-    python bench/big_run.py [--records 100000 1000000] [--dir /tmp/loadlab-bigrun] [--core 1]
-        [--steps master convert summary html]
+``--cores``: the CPUs each step may use (``taskset -c``: ``1`` one core, ``0,1`` both). ``--before REV``:
+each step also runs with that commit's tree (``git archive``; its own PYTHONPATH), alternately with this
+tree, ``--repeats`` times each, on the same files (records.parquet as this tree writes it).
+
+    python bench/big_run.py [--records 100000 1000000] [--dir /tmp/loadlab-bigrun] [--cores 1]
+        [--steps master convert summary html] [--before REV] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -116,14 +120,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/loadlab-bigrun"))
-    parser.add_argument("--core", type=int, default=1)
+    parser.add_argument("--cores", default="1")
     parser.add_argument("--steps", nargs="+", default=["master", "convert", "summary", "html"])
+    parser.add_argument("--before", default=None)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--step", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
         print(json.dumps(_step(args.step[0], Path(args.step[1]))))
         return
     print(machine_line())
+    trees = {"after": None}
+    if args.before:
+        trees = {"before": _unpack(args.before, args.dir / "before-tree"), **trees}
     for n in args.records:
         src = args.dir / f"r{n}"
         if not (src / "manifest.json").exists():
@@ -138,14 +147,30 @@ def main() -> None:
                 for name in ("records.jsonl", "manifest.json"):
                     (work / name).symlink_to(src / name)
                 if kind != "convert":
-                    _run("convert", work, args.core)
-            result = _run(kind, src if kind == "master" else work, args.core)
-            print(f"{n:>8} {kind:<8} " + " ".join(f"{k}={_fmt(v)}" for k, v in result.items()), flush=True)
+                    _run("convert", work, args.cores, None)
+            for _ in range(args.repeats):
+                for name, tree in trees.items():
+                    result = _run(kind, src if kind == "master" else work, args.cores, tree)
+                    print(f"{n:>8} {kind:<8} {name:<6} " + " ".join(f"{k}={_fmt(v)}" for k, v in result.items()),
+                          flush=True)  # fmt: skip
 
 
-def _run(kind: str, run_dir: Path, core: int) -> dict:
-    cmd = ["taskset", "-c", str(core), sys.executable, __file__, "--step", kind, str(run_dir)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def _unpack(rev: str, into: Path) -> Path:
+    """The tree of ``rev`` (the repository's work trees and refs untouched)."""
+    shutil.rmtree(into, ignore_errors=True)
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=HERE.parent, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def _run(kind: str, run_dir: Path, cores: str, tree: Path | None) -> dict:
+    script = (tree / "bench" / "big_run.py") if tree else Path(__file__)
+    cmd = ["taskset", "-c", cores, sys.executable, str(script), "--step", kind, str(run_dir)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if tree:
+        env["PYTHONPATH"] = str(tree)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree or None)
     if done.returncode != 0:
         sys.exit(f"{kind} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])

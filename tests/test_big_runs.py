@@ -8,6 +8,7 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
@@ -15,8 +16,9 @@ import pytest
 
 from loadlab.analysis import write_report
 from loadlab.analysis.html import _in_flight_per_second, _median_per_second, _tokens_per_second
-from loadlab.analysis.metrics import compute_summary, record_events
-from loadlab.analysis.stats import BRACKET_MIN, Events, order_statistics, quantiles
+from loadlab.analysis.itl import RunEvents, _cells, _Scan, itl_figures, weighted_kth
+from loadlab.analysis.metrics import compute_summary, counts_from, in_flight, record_events
+from loadlab.analysis.stats import BRACKET_MIN, Events, lists_batch, order_statistics, quantiles
 from loadlab.manifest import Counts, Manifest, TargetInfo, software_versions, write_manifest
 from loadlab.records import (
     RECORD_FIELDS,
@@ -30,6 +32,7 @@ from loadlab.records import (
     _arrow_table,
     _csv_table,
     load_records,
+    read_ahead,
     read_jsonl_records,
     recorded_indices,
     write_parquet,
@@ -287,7 +290,9 @@ def test_the_timeline_helpers_equal_the_per_second_loops():
                 for b in range(span)]  # fmt: skip
     np.testing.assert_array_equal(_median_per_second(second, values, rows, span), expected)
     records = make_records(50, seed=6)
-    events = Events.of_lists([r.arrival_ms for r in records], [r.arrival_tokens for r in records])
+    thirds = [records[:17], records[17:30], records[30:]]  # three batches, as three row groups
+    batches = [lists_batch([r.arrival_ms for r in b], [r.arrival_tokens for r in b]) for b in thirds]
+    events = RunEvents.of_batches(batches, keep_times=True)
     t_send = np.array([r.t_send_wall for r in records])
     t0 = t_send.min()
     width = int(np.ceil(max(r.t_send_wall + r.e2e_ms / 1000 for r in records) - t0))
@@ -312,7 +317,183 @@ def test_a_report_of_the_jsonl_alone_equals_the_parquets(tmp_path):
     from_jsonl.pop("records_source"), from_parquet.pop("records_source")
     assert from_jsonl == from_parquet
     flat = load_records(run, arrow=True)
-    ms, _ = record_events(flat).ms, None
-    assert ms.size == sum(len(r.arrival_ms) for r in records) - sum(
+    kept = int(record_events(flat).lengths.sum())
+    assert kept == sum(len(r.arrival_ms) for r in records) - sum(
         1 for r in records for t in (r.arrival_tokens or [1] * len(r.arrival_ms)) if t <= 0
     ) - sum(max(len(r.arrival_ms) - len(r.arrival_tokens), 0) for r in records if r.arrival_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ITL of a run and its classes from the event chunks (itl.py), against numpy over the materialised samples
+
+
+def _gaps(kind: str, rng, n: int) -> np.ndarray:
+    if kind == "ties":  # coalesced reads (zero gaps) and a server's fixed step
+        return rng.choice([0.0, 5.0, 5.0, 10.0], n)
+    if kind == "negative":  # a clock that stepped back
+        return rng.normal(1, 3, n)
+    if kind == "tiny":  # below the buckets' floor (2^-20 ms) and far above it
+        return np.concatenate([rng.random(n // 2) * 1e-9, rng.lognormal(2, 2, n - n // 2)])
+    return rng.gamma(3, 2, n) * rng.choice([1, 1, 0], n)
+
+
+@pytest.mark.parametrize("kind", ["gamma", "ties", "negative", "tiny"])
+def test_itl_of_every_scope_equals_numpy_over_the_materialised_samples(kind):
+    """Seven batches of events (as row groups), scopes that nest (the run and its classes) and one that is
+    empty: counts, percentiles (to the last bit), mean and std of the per-token and per-event ITL equal
+    numpy's over each scope's samples as ``pooled_events`` materialises them."""
+    rng = np.random.default_rng(11)
+    batches = []
+    for _ in range(7):
+        lengths = rng.integers(0, 12, int(rng.integers(1, 300)))
+        ms = np.cumsum(_gaps(kind, rng, int(lengths.sum())))
+        batches.append((ms, lengths, rng.choice([1, 1, 2, 3, 0, 4], ms.size), lengths))
+    events = RunEvents.of_batches(batches)
+    flat = Events(*(np.concatenate(column) for column in zip(*batches, strict=True)))
+    klass, ok = rng.integers(0, 3, events.rows), rng.random(events.rows) < 0.8
+    scopes = [ok, ok & (klass == 0), ok & (klass == 1), ok & (klass == 7)]
+    qs = [50, 90, 95, 99, 99.9]
+    for scope, figures in zip(scopes, itl_figures(events, scopes, qs), strict=True):
+        pooled = flat.pooled(scope)
+        for metric, key in (("itl_ms", "itl_per_token"), ("itl_per_event_ms", "itl_per_event")):
+            samples, got = pooled[key], figures[metric]
+            assert got.count == samples.size
+            if not samples.size:
+                assert got.mean is None and got.known == {}
+                continue
+            assert [got.known[float(q)] for q in [0, *qs, 100]] == np.percentile(
+                samples, [0, *qs, 100]
+            ).tolist()
+            assert got.mean == pytest.approx(np.mean(samples), rel=1e-12, abs=1e-15)
+            assert got.std == pytest.approx(np.std(samples), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_weighted_order_statistics_are_those_of_the_repeated_values(ties):
+    """A gathered set larger than a sort's worth is split by its bits again (radix select), with weights."""
+    rng = np.random.default_rng(12)
+    values = rng.normal(0, 50, 300_000)
+    values = np.round(values) if ties else values
+    weights = rng.integers(1, 5, values.size)
+    repeated = np.sort(np.repeat(values, weights))
+    ranks = np.array([0, 1, repeated.size // 3, repeated.size // 2, repeated.size - 2, repeated.size - 1])
+    assert np.array_equal(weighted_kth(values, weights, ranks), repeated[ranks])
+    assert np.array_equal(weighted_kth(values, None, ranks[:3]), np.sort(values)[ranks[:3]])
+    assert np.array_equal(weighted_kth(np.full(50_000, 2.5), None, np.array([0, 49_999])), [2.5, 2.5])
+
+
+def test_a_plot_draw_is_uniform_over_the_tokens():
+    """report.html draws a CDF line through a draw of the per-token samples: each event kept in proportion to
+    its tokens, so the draw's quartiles are the samples' (within a draw's error)."""
+    rng = np.random.default_rng(13)
+    lengths = rng.integers(2, 40, 3000)
+    ms = np.cumsum(rng.gamma(2, 3, int(lengths.sum())))
+    tok = rng.choice([1, 4], ms.size, p=[0.5, 0.5])  # per token, the 4-token events are 4/5 of the samples
+    events = RunEvents.of_batches([(ms, lengths, tok, lengths)])
+    every = np.ones(events.rows, dtype=bool)
+    pooled = itl_figures(events, [every], [25, 75])[0]["itl_ms"]
+    drawn = pooled.draw(20_000)
+    assert drawn.size == 20_000 and np.all(np.diff(drawn) >= 0)
+    truth = Events(ms, lengths, tok, lengths).pooled()["itl_per_token"]
+    for q in (25, 75):
+        assert np.percentile(drawn, q) == pytest.approx(np.percentile(truth, q), rel=0.03)
+
+
+def test_records_parquet_stores_receipt_times_plainly():
+    """Receipt times are full doubles: written without a dictionary or compression (read back ~2x faster);
+    token counts keep both (a million records' counts in a few MB)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = TableWriter(Path(tmp), rows=64)
+        for r in make_records(100, seed=14):
+            writer.add(r)
+        group = pq.ParquetFile(writer.close()).metadata.row_group(0)
+        column = {group.column(i).path_in_schema: group.column(i) for i in range(group.num_columns)}
+        ms, tok = column["arrival_ms.list.element"], column["arrival_tokens.list.element"]
+        assert ms.compression == "UNCOMPRESSED" and "RLE_DICTIONARY" not in ms.encodings
+        assert tok.compression == "SNAPPY" and "RLE_DICTIONARY" in tok.encodings
+
+
+def test_read_ahead_hands_over_every_item_and_the_producers_error():
+    assert list(read_ahead(iter(range(50)), depth=2)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise ValueError("row group 2: bad")
+
+    got = []
+    with pytest.raises(ValueError, match="row group 2"):
+        for item in read_ahead(failing()):
+            got.append(item)
+    assert got == [1]
+    first = next(iter(read_ahead(iter(range(10**6)), depth=2)))  # a consumer that stops early
+    assert first == 0
+
+
+def test_in_flight_equals_counting_at_every_moment():
+    """The sweep (sorted starts and ends merged) against a direct count over every segment between distinct
+    times, with ties (a start at another request's end), intervals outside the window and empty ones."""
+    rng = np.random.default_rng(15)
+    s = rng.integers(-5, 60, 3000).astype(float)
+    e = s + rng.integers(0, 15, s.size)
+    ws, we = 0.0, 50.0
+    got = in_flight(s, e, ws, we)
+    times = np.unique(np.concatenate([[ws, we], np.clip(s, ws, we), np.clip(e, ws, we)]))
+    counts = np.array([np.count_nonzero((s <= t) & (t < e)) for t in times[:-1]])
+    widths = np.diff(times)
+    assert got["mean"] == pytest.approx(float(np.sum(counts * widths)) / (we - ws), rel=1e-12)
+    assert (got["min"], got["max"]) == (int(counts.min()), int(counts.max()))
+
+
+def test_token_count_sources_counted_with_the_old_records_fallback():
+    df = pd.DataFrame(
+        {"arrival_tokens_from": pd.Categorical(["server", None, "spread", None, "server", "spread"])}
+    )
+    exact = np.array([True, True, False, False, True, False])
+    rows = np.array([True, True, True, True, False, True])
+    assert counts_from(df, rows, exact) == {"chunks": 1, "server": 2, "spread": 2}
+    assert counts_from(df.drop(columns="arrival_tokens_from"), rows, exact) == {"chunks": 3, "server": 2}
+
+
+@pytest.mark.parametrize("shape", ["steady", "drifting", "pilot_unlike_the_rest", "constant"])
+def test_the_one_pass_scan_and_its_fallback_give_numpys_figures(shape):
+    """40 chunks: a pilot of every 5th predicts where each order statistic lies and one pass gathers those
+    buckets; where the pilot misleads (its chunks unlike the others, ~1M events so that its margin is
+    narrow), or where the records' sums of squares would cancel (a constant gap), the scan falls back to two
+    exact passes. Either way, numpy's figures."""
+    rng = np.random.default_rng(16)
+    batches = []
+    for b in range(40):
+        lengths = rng.integers(0, 50, 500 if shape == "pilot_unlike_the_rest" else 60)
+        n = int(lengths.sum())
+        if shape == "constant":
+            gaps = np.full(n, 7.25)
+        else:  # a run that slows down; or the pilot's chunks (every 5th) 10x slower than the rest
+            scale = {"steady": 2, "drifting": 2 + b / 10, "pilot_unlike_the_rest": 20 if b % 5 == 0 else 2}[
+                shape
+            ]
+            gaps = rng.gamma(3, scale, n)
+        batches.append((np.cumsum(gaps), lengths, rng.choice([1, 1, 2, 4], n), lengths))
+    events = RunEvents.of_batches(batches)
+    flat = Events(*(np.concatenate(column) for column in zip(*batches, strict=True)))
+    klass, ok = rng.integers(0, 3, events.rows), rng.random(events.rows) < 0.9
+    scopes = [ok, ok & (klass == 0), ok & (klass == 1)]
+    cells, scope_cells = _cells(scopes, events.rows)
+    n_cells = int(cells.max()) + 1
+    cells[cells < 0] = n_cells
+    scan = _Scan(events, cells, n_cells)
+    qs = [0.0, 50.0, 90.0, 95.0, 99.0, 99.9, 100.0]
+    for weighted, key in ((False, "itl_per_event"), (True, "itl_per_token")):
+        figures = scan.figures(weighted, scope_cells, qs)
+        if shape in ("steady", "pilot_unlike_the_rest"):
+            assert scan.one_pass[weighted] is (shape == "steady")
+        if shape == "constant" and not weighted:  # sums of squares would cancel: the exact passes
+            assert scan.one_pass[weighted] is False
+        for scope, got in zip(scopes, figures, strict=True):
+            samples = flat.pooled(scope)[key]
+            assert got.count == samples.size
+            assert [got.known[q] for q in qs] == np.percentile(samples, qs).tolist()
+            assert got.mean == pytest.approx(np.mean(samples), rel=1e-12)
+            assert got.std == pytest.approx(np.std(samples), rel=1e-9, abs=1e-12)

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from loadlab.analysis.itl import Pooled, RunEvents
 from loadlab.analysis.metrics import record_events, strings
 from loadlab.analysis.server_metrics import gauge_series, same_server
-from loadlab.analysis.stats import Events, quantiles
+from loadlab.analysis.stats import quantiles
 from loadlab.analysis.summary import Summary, itl_estimated, itl_notes
 from loadlab.records import MEASURE, OK
 
@@ -76,7 +77,10 @@ def _cdfs(samples: dict[str, np.ndarray], itl_label: str = "ITL (per token)"):
     for ax, (stem, title) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", itl_label),
                                         ("e2e_latency_ms", "E2E")), strict=True):  # fmt: skip
         values, count = _plotted(samples.get(stem))
-        marks = quantiles(values if count == values.size else samples.get(stem), [50, 95, 99, 99.9])
+        if isinstance(samples.get(stem), Pooled):  # ITL over the events: its exact percentiles, taken already
+            marks = np.array([samples[stem].known.get(q, np.nan) for q in (50.0, 95.0, 99.0, 99.9)])
+        else:
+            marks = quantiles(values if count == values.size else samples.get(stem), [50, 95, 99, 99.9])
         if values.size:
             ax.plot(values, np.arange(1, values.size + 1) / values.size)
             for mark in marks[:3]:
@@ -86,7 +90,7 @@ def _cdfs(samples: dict[str, np.ndarray], itl_label: str = "ITL (per token)"):
             ax.set_xlim(values[0], marks[3])
             clipped = ", to P99.9"
         drawn = f", the line drawn through {values.size} of them" if count > values.size else ""
-        ax.set_title(f"{title} CDF ({count} samples{clipped}{drawn})")
+        ax.set_title(f"{title} CDF\n({count} samples{clipped}{drawn})", fontsize=9)
         ax.set_xlabel("ms")
         ax.set_ylim(0, 1.01)
         ax.grid(alpha=0.3)
@@ -94,14 +98,16 @@ def _cdfs(samples: dict[str, np.ndarray], itl_label: str = "ITL (per token)"):
     return fig
 
 
-def _tokens_per_second(events: Events, t_send: np.ndarray, t0: float, span: int) -> np.ndarray:
-    """Output tokens received in each second since ``t0``: every record's token-carrying events."""
-    ts = np.repeat(t_send - t0, events.lengths)
-    sent = np.isfinite(ts)
-    at = ((ts + events.ms / 1000.0)[sent]).astype(int)
-    return np.bincount(np.clip(at, 0, span - 1), weights=events.tok[sent], minlength=span)[:span].astype(
-        float
-    )
+def _tokens_per_second(events: RunEvents, t_send: np.ndarray, t0: float, span: int) -> np.ndarray:
+    """Output tokens received in each second since ``t0``: every record's token-carrying events (kept with
+    their times: ``record_events(df, keep_times=True)``)."""
+    tokens = np.zeros(span)
+    for row0, lengths, ms, tok in events.times():
+        ts = np.repeat(t_send[row0 : row0 + lengths.size] - t0, lengths)
+        sent = np.isfinite(ts)
+        at = ((ts + ms / 1000.0)[sent]).astype(int)
+        tokens += np.bincount(np.clip(at, 0, span - 1), weights=tok[sent], minlength=span)[:span]
+    return tokens
 
 
 def _in_flight_per_second(s: np.ndarray, e: np.ndarray, span: int) -> np.ndarray:
@@ -138,7 +144,7 @@ def _median_per_second(second: np.ndarray, values: np.ndarray, rows: np.ndarray,
     return out
 
 
-def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]], events: Events | None = None):
+def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]], events: RunEvents | None = None):
     import matplotlib.pyplot as plt
 
     t_send = pd.to_numeric(df["t_send_wall"], errors="coerce").to_numpy(dtype=float)
@@ -147,7 +153,8 @@ def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]], events: Event
     end = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
     span = max(1, int(np.ceil(np.nanmax(end) - t0))) if t_send.size and np.isfinite(end).any() else 1
     seconds = np.arange(span)
-    tokens = _tokens_per_second(events if events is not None else record_events(df), t_send, t0, span)
+    events = events if events is not None else record_events(df, keep_times=True)
+    tokens = _tokens_per_second(events, t_send, t0, span)
     # Time-weighted requests in flight per second (every request, warm-up and failures included).
     s_rel, e_rel = t_send - t0, end - t0
     valid = np.isfinite(s_rel) & np.isfinite(e_rel)
@@ -289,6 +296,8 @@ PLOT_SAMPLES = 200_000
 
 def _plotted(values: Any) -> tuple[np.ndarray, int]:
     """The sorted finite samples a CDF line is drawn through, and how many finite samples there are."""
+    if isinstance(values, Pooled):
+        return values.draw(PLOT_SAMPLES), values.count
     v = np.asarray(values if values is not None else [], dtype=float).ravel()
     finite = np.isfinite(v)
     count = int(np.count_nonzero(finite))
@@ -443,7 +452,7 @@ CLASS_CSS = (
 def render_html(summary: Summary, samples: dict[str, np.ndarray], df: pd.DataFrame,
                 server_rows: list[dict[str, Any]], markdown: str,
                 class_samples: dict[str, dict[str, np.ndarray]] | None = None,
-                events: Events | None = None) -> str:  # fmt: skip
+                events: RunEvents | None = None) -> str:  # fmt: skip
     """The page. With SLO classes it opens with the per-class section (``class_samples``: each class's
     samples, as ``compute_summary`` gives them); without, the page has no trace of them. ``events``: the
     records' events (``record_events(df)``) when the caller has them already."""

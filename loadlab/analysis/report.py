@@ -9,7 +9,8 @@ from typing import Any
 import pandas as pd
 
 from loadlab.analysis.html import REPORT_HTML, render_html
-from loadlab.analysis.metrics import compute_summary, record_events
+from loadlab.analysis.itl import RunEvents
+from loadlab.analysis.metrics import REPORT_FIELDS, compute_summary, record_events
 from loadlab.analysis.server_metrics import read_server_metrics
 from loadlab.analysis.summary import (
     ESTIMATED_ROWS,
@@ -25,7 +26,14 @@ from loadlab.analysis.summary import (
     write_atomic,
 )
 from loadlab.manifest import read_manifest
-from loadlab.records import RECORD_FIELDS, RECORDS_JSONL, RECORDS_PARQUET, load_records
+from loadlab.records import (
+    RECORD_FIELDS,
+    RECORDS_JSONL,
+    RECORDS_PARQUET,
+    event_batches,
+    load_records,
+    side_by_side,
+)
 
 __all__ = ["SUMMARY_JSON", "SUMMARY_MD", "render_markdown", "write_report"]
 
@@ -75,11 +83,19 @@ def _small_pages():
 
 def _write_report(run_dir: Path, source: str | None, html: bool) -> Summary:
     # Arrow lists and categorical text: no Python object per record or per event (a million records).
-    df = load_records(run_dir, arrow=True) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
+    if source == RECORDS_PARQUET:  # the per-event columns a row group at a time, beside the other columns
+        df, events = side_by_side(
+            [
+                lambda: load_records(run_dir, columns=list(REPORT_FIELDS), arrow=True),
+                lambda: RunEvents.of_batches(event_batches(run_dir), keep_times=html),
+            ]
+        )
+    else:
+        df = load_records(run_dir, arrow=True) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
+        events = record_events(df, keep_times=html)  # read once: the summary's samples, the timeline's tokens
     server_rows = read_server_metrics(run_dir)
     samples: dict = {}
     class_samples: dict = {}
-    events = record_events(df)  # read once: the summary's samples and the timeline's tokens
     summary = compute_summary(df, read_manifest(run_dir), server_rows, samples, class_samples, events)
     summary = summary.model_copy(update={"records_source": source})
     markdown = render_markdown(summary)

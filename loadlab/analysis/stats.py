@@ -294,7 +294,11 @@ class Events:
     ``pooled(rows)`` is ``pooled_events`` over the requests ``rows`` selects, bit for bit (the same
     samples in the same order)."""
 
-    def __init__(self, ms: Any, ms_lengths: Any, tok: Any, tok_lengths: Any):
+    def __init__(
+        self, ms: Any, ms_lengths: Any, tok: Any, tok_lengths: Any, scratch: np.ndarray | None = None
+    ):
+        """``scratch``: a float array at least as long as the events, for the gaps between all of them (a
+        caller that builds many batches in turn passes the same one: fresh memory costs page faults)."""
         ms = np.asarray(ms, dtype=float)
         ms_lengths = np.asarray(ms_lengths, dtype=np.int64)
         tok = np.asarray(tok)
@@ -326,22 +330,21 @@ class Events:
             self.token_sum[nonempty] = np.add.reduceat(self.tok, first)
         later = np.ones(ms.size, dtype=bool)
         later[first] = False
-        self.gaps = (ms[1:] - ms[:-1])[later[1:]]  # the gap before each later event of its request
-        self.later_tok = self.tok[later]
+        self.later_mask = later  # every event but a request's first
+        diff = scratch[: max(ms.size - 1, 0)] if scratch is not None and scratch.size >= ms.size else None
+        diff = np.subtract(ms[1:], ms[:-1], out=diff)
+        self.gaps = diff[later[1:]]  # the gap before each later event of its request
         self.later = np.maximum(lengths - 1, 0)  # each request's later events
+
+    @property
+    def later_tok(self) -> np.ndarray:
+        """The tokens each later event carried."""
+        return self.tok[self.later_mask]
 
     @classmethod
     def of_lists(cls, arrival_ms: list[Any], arrival_tokens: list[Any]) -> Events:
         """From per-request lists or arrays (records as ``RequestRecord`` or a DataFrame hold them)."""
-        ms_lengths = np.fromiter((_length(v) for v in arrival_ms), dtype=np.int64, count=len(arrival_ms))
-        tok_lengths = np.fromiter(
-            (_length(v) for v in arrival_tokens), dtype=np.int64, count=len(arrival_tokens)
-        )
-        if ms_lengths.size != tok_lengths.size:
-            raise ValueError("arrival_ms and arrival_tokens: not the same number of requests")
-        ms = _flatten(arrival_ms, ms_lengths)
-        tok = _flatten(arrival_tokens, tok_lengths)
-        return cls(ms, ms_lengths, tok, tok_lengths)
+        return cls(*lists_batch(arrival_ms, arrival_tokens))
 
     def pooled(self, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """``pooled_events`` over the requests ``rows`` (a boolean mask; None: all) selects."""
@@ -363,6 +366,18 @@ class Events:
     def row_of_events(self) -> np.ndarray:
         """Each (kept) event's request."""
         return np.repeat(np.arange(self.rows), self.lengths)
+
+
+def lists_batch(
+    arrival_ms: list[Any], arrival_tokens: list[Any]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-request lists or arrays of receipt times and tokens as one batch of flat columns: (times, each
+    request's number of them, tokens, each request's number of them); None and NaN cells hold none."""
+    ms_lengths = np.fromiter((_length(v) for v in arrival_ms), dtype=np.int64, count=len(arrival_ms))
+    tok_lengths = np.fromiter((_length(v) for v in arrival_tokens), dtype=np.int64, count=len(arrival_tokens))
+    if ms_lengths.size != tok_lengths.size:
+        raise ValueError("arrival_ms and arrival_tokens: not the same number of requests")
+    return _flatten(arrival_ms, ms_lengths), ms_lengths, _flatten(arrival_tokens, tok_lengths), tok_lengths
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:
