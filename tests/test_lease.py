@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "loadlab" / "swarm" / "locustfile.py"
 TIMING = REPO / "tests" / "profiles" / "timing.yaml"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-LEASE_LINE = re.compile(r"tickets: (\d+) leased in (\d+) blocks .*?(?:(\d+) of dead workers leased again)?; "
+LEASE_LINE = re.compile(r"tickets: (\d+) leased in (\d+) blocks .*?(?:(\d+) of dead workers leased again)?"
+                        r"(?:, \d+ requests returned unsent at the drain)?; "
                         r"users waited ([\d.]+) ms per measured ticket")  # fmt: skip
 EMPTY_LINE = re.compile(r"\((\d+) of (\d+) found the stock empty\)")
 
