@@ -179,7 +179,7 @@ class RemoteTickets:
         their next ticket while an ask is out) plus the takes of two round trips (a busy machine's round
         trip is tens of ms, and varies); a refill is twice the mark, so each ask brings a block of at least
         the mark. Measured at 8 workers x 64 users on 2 shared cores: a mark of at most the users left
-        waves of 10-40 users waiting 30-140 ms for a block in 3 runs of 5 (bench/RESULTS.md)."""
+        waves of 10-40 users waiting up to 140 ms for a block (bench/RESULTS.md)."""
         if self.open_loop:
             return 0, 0
         users = max(1, self.runner.user_count)
