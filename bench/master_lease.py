@@ -1,10 +1,11 @@
-"""Benchmark: the master's ticket leasing, before (one round trip per request) and after (blocks), side by
-side on one fast server (not a test; results in bench/RESULTS.md).
+"""Benchmark: the master's ticket leasing, earlier code (e.g. one round trip per request, or other block
+sizing) and this tree's, side by side on one fast server (not a test; results in bench/RESULTS.md).
 
 Starts the scripted server once (loadlab/testing/scripted.py; first event TTFT ms after the request, then one
 every GAP ms) and runs `loadlab run tests/profiles/timing.yaml --workers W` with `users` users in all (`users`
-warm-up requests, `requests` measured), alternately with each code tree: "before" is a commit's tree (by
-default the merge base with main: per-request leasing) unpacked with `git archive`, "after" is this tree.
+warm-up requests, `requests` measured), alternately with each code tree: each `--before` revision's tree (by
+default the merge base with main) unpacked with `git archive` (named by the revision as given, or "before"
+when it is the default), and "after", this tree.
 Each run's processes import only their own tree (PYTHONPATH, working directory). Per run it prints:
 
   req/s        measured requests / (last measured end - first measured send): requests through the master
@@ -12,14 +13,17 @@ Each run's processes import only their own tree (PYTHONPATH, working directory).
   us/req       master CPU per measured request; 1e6 / us/req is what the master alone could sustain
   idle ms      a user's time between the end of one measured stream and its next send, median and mean
                (bookkeeping in the CPU lane, and the ticket's round trip through the master when it has one)
-  wait ms      after only: the time users waited for a measured ticket, per ticket (the workers' own count,
-               the master's "tickets: ..." line); before, every ticket costs a round trip (idle includes it)
-  empty        after only: % of those measured tickets for which the user found its worker's stock empty
-  blocks       after only: ticket blocks the master sent, and tickets per block
+  wait ms      block leasing only: the time users waited for a measured ticket, per ticket (the workers' own
+               count, the master's "tickets: ..." line); with one round trip per request (97da415 and
+               before) every ticket costs a round trip and this is blank (idle includes it)
+  empty        block leasing only: % of those measured tickets for which the user found its stock empty
+  blocks       block leasing only: ticket blocks the master sent, and tickets per block
+  tail ms      the last measured end of the run minus the earliest worker's last measured end (how long
+               a worker had nothing left while others finished: the cost of stocks at the end)
   client CPU   % of one core, every Locust process (master and workers)
 
-    python bench/master_lease.py [--before REV] [--workers 8] [--users 512] [--requests 4096] [--tokens 4]
-                                 [--ttft-ms 2] [--gap-ms 1] [--repeats 3] [--keep]
+    python bench/master_lease.py [--before REV [REV ...]] [--workers 8] [--users 512] [--requests 4096]
+                                 [--tokens 4] [--ttft-ms 2] [--gap-ms 1] [--repeats 3] [--keep]
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE_S = 0.1
 LEASE_LINE = re.compile(r"tickets: (\d+) leased in (\d+) blocks .*users waited ([\d.]+) ms per measured ticket "
                         r"\((\d+) of (\d+) found the stock empty\)")  # fmt: skip
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def unpack(rev: str, into: Path) -> Path:
@@ -87,12 +95,14 @@ def one_run(args, tree: Path, server: ServerProcess, out: Path) -> dict:
     span = t1 - t0
     master_s = sampler.role_used({"master"}, t0, t1)
     gaps = user_gaps_ms(measure)
+    ends = (measure.t_send_wall + measure.e2e_ms.fillna(0) / 1000.0).groupby(measure.worker_id).max()
     row = {
         "rps": len(measure) / span,
         "master": 100.0 * master_s / span,
         "us_per_req": 1e6 * master_s / len(measure),
         "idle_p50": float(np.median(gaps)),
         "idle_mean": float(np.mean(gaps)),
+        "tail": 1000.0 * float(ends.max() - ends.min()),
         "client": 100.0 * sampler.role_used({"single", "master", "worker"}, t0, t1) / span,
         "wait": float("nan"),
         "blocks": float("nan"),
@@ -109,20 +119,24 @@ def one_run(args, tree: Path, server: ServerProcess, out: Path) -> dict:
 
 
 HEADER = (
-    "code    req/s  master CPU  us/req  idle ms p50  mean   wait ms  empty  blocks  tickets/block  client CPU"
+    "code      req/s  master CPU  us/req  idle ms p50    mean   wait ms  empty  blocks  tickets/block  tail ms"
+    "  client CPU"
 )
 
 
 def line(name: str, r: dict) -> str:
-    return (f"{name:6} {r['rps']:6.0f} {r['master']:10.0f}% {r['us_per_req']:7.0f} {r['idle_p50']:12.2f}"
-            f" {r['idle_mean']:5.2f} {r['wait']:9.3f} {r['empty']:5.1f}% {r['blocks']:7.0f} {r['per_block']:14.1f}"
-            f" {r['client']:10.0f}%")  # fmt: skip
+    return (f"{name:8} {r['rps']:6.0f} {r['master']:10.0f}% {r['us_per_req']:7.0f} {r['idle_p50']:12.2f}"
+            f" {r['idle_mean']:7.2f} {r['wait']:9.3f} {r['empty']:5.1f}% {r['blocks']:7.0f} {r['per_block']:14.1f}"
+            f" {r['tail']:8.0f} {r['client']:10.0f}%")  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--before", default=None, help="the commit to compare with (default: merge base with main)"
+        "--before",
+        nargs="+",
+        default=None,
+        help="the commits to compare with (default: merge base with main)",
     )
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--users", type=int, default=512, help="users in all (spread over the workers)")
@@ -134,17 +148,21 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the run directories and the trees")
     args = parser.parse_args()
 
-    before = args.before or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=REPO, check=True,
-                                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    if args.before:
+        befores = {rev[:8]: rev for rev in args.before}
+    else:
+        befores = {"before": git("merge-base", "HEAD", "main")}
     work = Path(tempfile.mkdtemp(prefix="loadlab-lease-"))
-    trees = {"before": unpack(before, work / "before"), "after": REPO}
+    trees = {name: unpack(rev, work / f"tree{i}") for i, (name, rev) in enumerate(befores.items())}
+    trees["after"] = REPO
     server = start_scripted(work / "server.jsonl", args.ttft_ms, args.gap_ms)
     print(machine_line())
-    print(f"# before = {before[:12]}, after = this tree; {args.workers} workers x {args.users // args.workers} "
+    revs = ", ".join(f"{name} = {git('rev-parse', '--short=12', rev)}" for name, rev in befores.items())
+    print(f"# {revs}, after = this tree; {args.workers} workers x {args.users // args.workers} "
           f"users; scripted server TTFT {args.ttft_ms} ms, gap {args.gap_ms} ms, {args.tokens} tokens/request; "
           f"{args.requests} measured requests per run (+{args.users} warm-up); CPU in % of one core")  # fmt: skip
     print(HEADER)
-    rows: dict[str, list[dict]] = {"before": [], "after": []}
+    rows: dict[str, list[dict]] = {name: [] for name in trees}
     try:
         for _ in range(args.repeats):
             for name, tree in trees.items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -283,7 +284,14 @@ def test_ctrl_c_on_the_master_collects_every_workers_in_flight_requests(tmp_path
                 p.kill()
     rows = read_jsonl_records(run / "records.jsonl")
     indices = [r["index"] for r in rows]
-    assert len(indices) == len(set(indices)) and sorted(indices) == list(range(len(indices)))
+    assert len(indices) == len(set(indices))
+    # Indices without a record below the last recorded one are tickets some worker's stock still held: its
+    # users never started them, and it returned them at the drain (as tickets never taken in one process).
+    returned = re.search(
+        r"(\d+) requests returned unsent at the drain", (tmp_path / "master.log").read_text()
+    )
+    skipped = set(range(max(indices))) - set(indices)
+    assert len(skipped) <= (int(returned[1]) if returned else 0), logs(tmp_path)
     cancelled = [r for r in rows if r["outcome"] == "cancelled"]
     assert cancelled, "the in-flight requests should be recorded as cancelled"
     assert len({r["worker_id"] for r in cancelled}) == 2  # both workers' last batches arrived

@@ -70,6 +70,7 @@ class Coordinator:
         self.taken_from: dict[int, str] = {}  # a ticket leased again -> the worker that had it
         self.blocks = 0  # TicketBlocks sent (the run's "tickets per message" figure)
         self.leased = 0
+        self.returned = 0  # tickets the workers returned unstarted at the drain (they get no record)
         self.next_seq: dict[str, int] = defaultdict(int)
         self.gaps: dict[str, int] = defaultdict(int)  # batches that never arrived, per worker
         self.records_from: dict[str, int] = defaultdict(int)
@@ -108,7 +109,7 @@ class Coordinator:
         self.pool, self.asks, self.upcoming, self.expiring = [], {}, None, []
         self.unstarted.clear()
         self.taken_from.clear()
-        self.blocks = self.leased = 0
+        self.blocks = self.leased = self.returned = 0
         # The barrier opens: serve held asks (in a greenlet: a rawlink callback runs in the hub, which must
         # not wait on a socket).
         run.tickets.warmup_done.rawlink(lambda _e: gevent.spawn(self._serve))
@@ -275,6 +276,8 @@ class Coordinator:
             for i in range(ticket.index, ticket.index + ticket.turns):
                 leases.pop(i, None)
             heapq.heappush(self.pool, ticket)
+            if self.drain_done:
+                self.returned += ticket.turns
         self._serve()
 
     def _started(self, worker: str, indices: list[int]) -> None:
@@ -428,7 +431,8 @@ class Coordinator:
         log.info("loadlab: %s", self.lease_figures())
 
     def lease_figures(self) -> str:
-        """One line: tickets leased, blocks, tickets leased again, and how long users waited for a ticket."""
+        """One line: tickets leased, blocks, tickets leased again, requests returned unsent at the drain, and
+        how long users waited for a ticket."""
         takes = sum(n for n, _, _ in self.waits.values())
         waited = sum(s for _, s, _ in self.waits.values())
         empty = sum(e for _, _, e in self.waits.values())
@@ -438,5 +442,7 @@ class Coordinator:
                 if takes else "no measured ticket")  # fmt: skip
         return (
             f"tickets: {self.leased} leased in {self.blocks} blocks ({per_block:.1f} a block)"
-            f"{f', {again} of dead workers leased again' if again else ''}; users waited {wait}"
+            f"{f', {again} of dead workers leased again' if again else ''}"
+            f"{f', {self.returned} requests returned unsent at the drain' if self.returned else ''}"
+            f"; users waited {wait}"
         )
