@@ -89,6 +89,7 @@ def records(n: int, seed: int = 5) -> list[RequestRecord]:
                 output_tokens=None if failed or i % 19 == 7 else sum(tokens), prompt_tokens=64,
                 input_len=64, max_new_tokens=10, served_by=f"http://127.0.0.1:{3000 + i % 3}",
                 request_class=("interactive", "batch")[i % 2],
+                tokens_per_event_exact=i % 7 != 4,  # a server that counted only at the end: ITL estimated
             )
         )  # fmt: skip
     return out
@@ -163,6 +164,13 @@ def test_live_figures_of_a_finished_run_are_the_summarys(tmp_path):
     assert rows[("class interactive", "E2E (ms)")]["p99"] == ms(s["classes"][0]["p99_e2e_latency_ms"])
     assert rows[("run", "SLO verdict")]["value"] == ("PASS so far" if s["slo"]["pass"] else "FAIL so far")
     assert len({r["scope"] for r in rows.values() if r["scope"].startswith("worker ")}) == 3
+    # ITL estimated where the server counted tokens only at the end: the same count as the summary's.
+    assert f["run"]["itl_estimated"] == s["tokens_per_event_inexact"] > 0
+    assert (
+        f"estimated for {s['tokens_per_event_inexact']} of {s['completed']}"
+        in rows[("run", "ITL (ms)")]["value"]
+    )
+    assert "estimated" not in rows[("run", "TTFT (ms)")]["value"]
 
 
 def test_prometheus_page_counts_equal_the_summary(tmp_path):

@@ -44,6 +44,9 @@ class Scope:
         self.completed = 0
         self.failures: dict[str, int] = {}
         self.output_tokens = 0.0
+        self.itl_estimated = (
+            0  # completed requests whose server counted tokens only at the end (summary's too)
+        )
 
     @property
     def failed(self) -> int:
@@ -69,6 +72,7 @@ class Scope:
         )
         adds += [(values, samples[metric]) for metric, values in self.samples.items()]
         self.output_tokens += float(np.nansum(out))
+        self.itl_estimated += sum(1 for r in done if r.tokens_per_event_exact is False)
         return out
 
     def latencies(self) -> dict[str, np.ndarray | None]:
@@ -314,4 +318,5 @@ class LiveFigures:
             "output_tokens": int(scope.output_tokens),
             "latencies": scope.latencies(),
             "samples": {metric: len(values) for metric, values in scope.samples.items()},
+            "itl_estimated": scope.itl_estimated,
         }

@@ -133,7 +133,11 @@ def _latency_rows(scope_name: str, scope: dict[str, Any]) -> list[dict[str, str]
     for metric, label in LATENCIES.items():
         values = scope["latencies"][metric]
         cells = {} if values is None else {f"p{q}": ms(v) for q, v in zip(QUANTILES, values, strict=True)}
-        out.append(_row(scope_name, f"{label} (ms)", f"{scope['samples'][metric]} samples", **cells))
+        note = f"{scope['samples'][metric]} samples"
+        if metric == "itl_ms" and scope.get("itl_estimated"):  # as summary.md says it
+            note += (f"; estimated for {scope['itl_estimated']} of {scope['completed']} requests (the server "
+                     "sent no per-chunk token counts)")  # fmt: skip
+        out.append(_row(scope_name, f"{label} (ms)", note, **cells))
     return out
 
 
