@@ -805,7 +805,15 @@ def test_client_calibration_from_the_manifest(tmp_path):
     assert s.client.error_bound_ms == s.client.generators[0].probe_lateness_p99_ms > 5.0
     md = (tmp_path / "summary.md").read_text()
     assert "worst of 2); CPU 90% of a core" in md and "**Client-bound**" in md
+    assert "include the load generator's own delay" in md and "taken by the kernel" not in md
     assert Summary.read(tmp_path) == s
+    # Timed by the kernel: the events' times are exact on a busy client; its sends were what it delayed.
+    kernel = tmp_path / "kernel"
+    kernel.mkdir()
+    s = summarize(kernel, [dataclasses.replace(rec(0), receipt_clock="kernel")], manifest)
+    md = (kernel / "summary.md").read_text()
+    assert s.receipt.clock == "kernel" and "**Client-bound**" in md
+    assert "taken by the kernel, so TTFT, ITL and E2E stay exact" in md and "own delay" not in md
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -71,7 +71,9 @@ def render_console(s: Summary, report: Path | None = None) -> str:
     if receipt:
         lines.append(receipt)
     if s.client is not None and s.client.client_bound:
-        lines.append("CLIENT-BOUND: " + "; ".join(s.client.reasons))
+        exact = s.receipt is not None and s.receipt.clock == "kernel"  # kernel receipt times: sends late only
+        lines.append("CLIENT-BOUND: " + "; ".join(s.client.reasons)
+                     + (" (receipt times from the kernel: latencies exact, sends late)" if exact else ""))  # fmt: skip
     if report is not None:
         lines.append(f"report: {report}")
     lines.append("=" * WIDTH)

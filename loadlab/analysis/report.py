@@ -323,8 +323,9 @@ def receipt_line(s: Summary) -> str | None:
     return line
 
 
-def _client_lines(client: Client | None) -> list[str]:
-    """The load generator's own timing quality, beside the latencies it qualifies."""
+def _client_lines(client: Client | None, receipt_clock: str | None = None) -> list[str]:
+    """The load generator's own timing quality, beside the latencies it qualifies. ``receipt_clock``: which
+    clock timed the events (summary ``receipt.clock``): the kernel's times stay exact on a busy client."""
     if client is None:
         return []
     cpus = [g.cpu_mean for g in client.generators if g.cpu_mean is not None]
@@ -335,9 +336,14 @@ def _client_lines(client: Client | None) -> list[str]:
         "",
     ]
     if client.client_bound:
+        if receipt_clock == "kernel":  # the events' times are the kernel's: only the sends were late
+            why = ("The tokens' receipt times were taken by the kernel, so TTFT, ITL and E2E stay exact; what the "
+                   "busy client delayed is its sends (requests started later than planned: less load offered)")  # fmt: skip
+        else:
+            why = "These latencies include the load generator's own delay"
         lines += [
-            "> **Client-bound**: " + "; ".join(client.reasons) + ". These latencies include the "
-            "load generator's own delay: add workers (`loadlab run --workers N`) or lower the load per process.",
+            "> **Client-bound**: " + "; ".join(client.reasons) + f". {why}: add workers (`loadlab run "
+            "--workers N`) or lower the load per process.",
             "",
         ]
     return lines
@@ -518,7 +524,7 @@ def render_markdown(s: Summary) -> str:
     for note in itl_notes(s):
         title, text = note.split(": ", 1)
         lines += [f"> **{title}**: {text}", ""]
-    lines += _client_lines(s.client)
+    lines += _client_lines(s.client, s.receipt.clock if s.receipt is not None else None)
     receipt = receipt_line(s)
     if receipt:
         lines += [receipt, ""]
