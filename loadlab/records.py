@@ -259,8 +259,8 @@ def load_records(run_dir: Path, columns: list[str] | None = None, arrow: bool = 
     """Returns the run's records as a pandas DataFrame (Parquet if written, else the JSONL).
 
     By default each per-event cell is a numpy array (Parquet) or a list (JSONL). With ``arrow`` the two
-    per-event columns stay Arrow lists (``pd.ArrowDtype``: no Python object per cell; ``arrow_events``
-    gives their flat values) and the text columns are categorical: what the post-processor reads a big run
+    per-event columns stay Arrow lists (``pd.ArrowDtype``: no Python object per cell; ``list_values``
+    gives a chunk's flat values) and the text columns are categorical: what the post-processor reads a big run
     with. ``columns``: only these (in this order), e.g. what a report needs."""
     import pandas as pd  # heavy: only the post-processor needs it
 
@@ -297,19 +297,6 @@ def load_records(run_dir: Path, columns: list[str] | None = None, arrow: bool = 
         return pd.ArrowDtype(arrow_type) if pa.types.is_list(arrow_type) else None
 
     return table.to_pandas(types_mapper=lists, self_destruct=True)
-
-
-def arrow_events(column):
-    """The flat values of a per-event column that ``load_records(arrow=True)`` returns, and each record's
-    number of them: (values, lengths), numpy arrays without a copy where Arrow allows it; None for a column
-    that is not an Arrow list (a DataFrame built otherwise)."""
-    import pandas as pd  # heavy: only the post-processor needs it
-    import pyarrow as pa
-
-    if not isinstance(column.dtype, pd.ArrowDtype) or not pa.types.is_list(column.dtype.pyarrow_dtype):
-        return None
-    chunked = column.array.__arrow_array__()  # the Arrow data behind the column, no copy
-    return list_values(chunked.combine_chunks() if chunked.num_chunks != 1 else chunked.chunk(0))
 
 
 def list_values(array) -> tuple[np.ndarray, np.ndarray]:

@@ -363,10 +363,6 @@ class Events:
             "token_sum": token_sum,
         }
 
-    def row_of_events(self) -> np.ndarray:
-        """Each (kept) event's request."""
-        return np.repeat(np.arange(self.rows), self.lengths)
-
 
 def lists_batch(
     arrival_ms: list[Any], arrival_tokens: list[Any]
