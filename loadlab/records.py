@@ -354,6 +354,27 @@ def side_by_side(calls) -> list[Any]:
         return [f.result() for f in [pool.submit(call) for call in calls]]
 
 
+class _Done:
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+def in_background(fn, *args) -> Any:
+    """``fn(*args)`` started in a native thread; ``.result()`` waits for it (raising its error). Called at
+    once where there are no native threads (a gevent-patched process)."""
+    if not native_threads():
+        return _Done(fn(*args))
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="loadlab-background")
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)  # the thread ends with its one task
+    return future
+
+
 def read_ahead(items, depth: int = 2):
     """``items`` (an iterator), produced in a native thread up to ``depth`` ahead of the consumer; as it is in
     a gevent-patched process (no native thread to be had there: threading is greenlets)."""

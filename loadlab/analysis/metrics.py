@@ -11,6 +11,7 @@ each, are in ``docs/metrics.md``; keep the two in step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -45,6 +46,7 @@ from loadlab.records import (
     RECORD_FIELDS,
     STATUS_FRONT,
     WARMUP,
+    in_background,
     table_event_batches,
 )
 
@@ -452,16 +454,20 @@ def compute_summary(
     for slo in [run.slo, *(c.get("slo") for c in profile_classes.values())]:
         itl_qs.update(float(q) for metric, q, _, _ in slo_objectives(slo)[0] if metric in ITL_METRICS)
     scopes = [ok, *(ok & (request_class == name) for name in class_names)]
-    itl_of = dict(zip([None, *class_names], itl_figures(events, scopes, sorted(itl_qs)), strict=True))
+    # In native threads while the per-request figures are taken (numpy's loops run without the GIL).
+    itl_figured = in_background(itl_figures, events, scopes, sorted(itl_qs))
+
+    def itl_of(scope: str | None, metric: str) -> Pooled:
+        return dict(zip([None, *class_names], itl_figured.result(), strict=True))[scope][metric]
 
     def samples_of(done: np.ndarray, scope: str | None) -> tuple[dict[str, Any], np.ndarray]:
         """The latency samples of the requests ``done`` selects (the run's or class ``scope``'s completed
         requests), and their resolved output token counts."""
         ok_idx = np.flatnonzero(done)
         ok_ttft, ok_e2e = ttft[ok_idx], e2e[ok_idx]
-        pooled = {
-            "itl_per_token": itl_of[scope]["itl_ms"],
-            "itl_per_event": itl_of[scope]["itl_per_event_ms"],
+        pooled = {  # ITL: filled in when it is ready (resolved)
+            "itl_per_token": functools.partial(itl_of, scope, "itl_ms"),
+            "itl_per_event": functools.partial(itl_of, scope, "itl_per_event_ms"),
             "first_tokens": events.first_tokens[ok_idx],
             "token_sum": events.token_sum[ok_idx],
         }
@@ -647,7 +653,7 @@ def compute_summary(
         "arrival_tokens_from": counts_from(df, ok, exact),
         "short_outputs": int(short.sum()),
         "percentile_method": PERCENTILE_METHOD,
-        "samples": {stem: _count(arr) for stem, arr in samples.items()},
+        "samples": {stem: _count(arr) for stem, arr in resolved(samples).items()},
     }
     figures, described = describe_all(samples)
     summary.update(figures)
@@ -685,7 +691,7 @@ def compute_summary(
         mine = measured & (request_class == name)
         done = mine & ok
         class_samples, class_out = samples_of(done, name)
-        class_figures, class_described = describe_all(class_samples)
+        class_figures, class_described = describe_all(resolved(class_samples))
         class_failures: dict[str, int] = {}
         for kind in outcome[mine & ~ok]:
             class_failures[kind or "unknown"] = class_failures.get(kind or "unknown", 0) + 1
@@ -772,6 +778,15 @@ def compute_summary(
     if samples_out is not None:  # the per-request samples, for plots
         samples_out.update(samples)
     return Summary.model_validate(clean(summary))  # the flat keys of summary.json, as summary.json is read
+
+
+def resolved(samples: dict[str, Any]) -> dict[str, Any]:
+    """``samples`` with every metric still being computed (a function of no argument) in its place, in
+    place and in the same order."""
+    for stem, value in samples.items():
+        if callable(value):
+            samples[stem] = value()
+    return samples
 
 
 def _count(samples: Any) -> int:
