@@ -1,8 +1,9 @@
 """Shared fixtures for the real-process tests: servers started as subprocesses on 127.0.0.1, and
 `loadlab run` as a subprocess whose last stdout line is the run directory.
 
-With pytest-xdist installed (the test extra) the suite runs on two workers, a file at a time each
-(``--dist loadfile``: a file's module fixtures start once); ``-n 0`` runs it in this process. A test marked
+With pytest-xdist installed (the test extra) the whole suite runs on two workers, a file at a time each
+(``--dist loadfile``: a file's module fixtures start once); ``-n 0`` runs it in this process, and a command
+naming files or tests runs them in this process unless it gives ``-n``. A test marked
 ``alone`` (wall-clock timing in milliseconds: a client's timestamps against a server's write times, send
 lateness, a twin's real-time pace, a client's self-calibration) runs while the other worker waits between two
 tests: the machine has 2 cores, and those tolerances were set for a machine running one test at a time."""
@@ -33,10 +34,12 @@ WORKERS = 2  # pytest-xdist's, when it is installed and no -n is given: this mac
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """Two xdist workers, a file each at a time, unless -n says otherwise (or xdist is not installed)."""
+    """The whole suite (no file or test named on the command line) on two xdist workers, a file each at a
+    time, unless -n says otherwise (or xdist is not installed)."""
     if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
         return
-    if config.option.numprocesses is None and not config.option.collectonly:
+    whole_suite = not config.option.file_or_dir
+    if whole_suite and config.option.numprocesses is None and not config.option.collectonly:
         config.option.numprocesses = WORKERS
         if config.option.dist == "no":
             config.option.dist = "loadfile"
