@@ -1,8 +1,17 @@
 """Shared fixtures for the real-process tests: servers started as subprocesses on 127.0.0.1, and
-`loadlab run` as a subprocess whose last stdout line is the run directory."""
+`loadlab run` as a subprocess whose last stdout line is the run directory.
+
+With pytest-xdist installed (the test extra) the whole suite runs on two workers, a file at a time each
+(``--dist loadfile``: a file's module fixtures start once); ``-n 0`` runs it in this process, and a command
+naming files or tests runs them in this process unless it gives ``-n``. A test marked
+``alone`` (wall-clock timing in milliseconds: a client's timestamps against a server's write times, send
+lateness, a twin's real-time pace, a client's self-calibration) runs while the other worker waits between two
+tests: the machine has 2 cores, and those tolerances were set for a machine running one test at a time."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
@@ -17,6 +26,69 @@ from loadlab.testing.servers import start_scripted
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = Path(__file__).resolve().parent / "profiles"
 LOADLAB = [sys.executable, "-m", "loadlab.cli"]
+
+
+# -- pytest-xdist: two workers, the tests marked `alone` run alone ----------------------------------------
+WORKERS = 2  # pytest-xdist's, when it is installed and no -n is given: this machine's 2 cores
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite (no file or test named on the command line) on two xdist workers, a file each at a
+    time, unless -n says otherwise (or xdist is not installed)."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    whole_suite = not config.option.file_or_dir
+    if whole_suite and config.option.numprocesses is None and not config.option.collectonly:
+        config.option.numprocesses = WORKERS
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
+            config.option.loadscopereorder = False  # files in collection order (LONGEST_FIRST below)
+
+
+# The longest files first (a full run's figures), so that the two workers end together: loadfile hands out
+# files in collection order as workers free up.
+LONGEST_FIRST = ("test_sweep_clusters.py", "test_sweep.py", "test_end_to_end.py", "test_api_key.py",
+                 "test_cluster.py", "test_faults.py", "test_distributed.py", "test_compose.py", "test_classes.py",
+                 "test_omni.py")  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # the same order on every worker (xdist checks)
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: runs while no other test runs (wall-clock timing in ms)")
+
+
+@contextlib.contextmanager
+def _machine_share(lock_dir: Path, alone: bool):
+    """A shared hold on the machine, or the only one (``alone``). Everyone queues at the gate first, so a
+    test waiting to run alone is not passed over by the other worker's next tests."""
+    with open(lock_dir / "gate.lock", "a") as gate, open(lock_dir / "machine.lock", "a") as machine:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, each test (its setup, module fixtures included, and teardown) holds its share of the
+    machine; a test marked ``alone`` holds all of it."""
+    if not hasattr(item.config, "workerinput"):
+        yield
+        return
+    lock_dir = Path(item.config.option.basetemp).parent  # a worker's is <the run's basetemp>/<worker id>
+    with _machine_share(lock_dir, item.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -111,6 +183,17 @@ def describe_errors(label: str, ttft_err, itl_err) -> str:
 
 # Timing figures collected by the tests, printed at the end of the session (also without -s).
 TIMING_REPORT: list[str] = []
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller prints its figures
+        workeroutput["timing_report"] = list(TIMING_REPORT)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    TIMING_REPORT.extend(getattr(node, "workeroutput", {}).get("timing_report", []))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 PROFILE = """\
@@ -46,6 +48,7 @@ def test_a_starved_client_is_flagged_and_strict_fails_it(tmp_path):
     assert code == 4, text  # --strict: the run completed, but its figures are suspect
 
 
+@pytest.mark.alone
 def test_a_healthy_client_states_its_bound_and_is_not_flagged(tmp_path):
     code, summary, text = run(tmp_path, REPO / "locustfile.py", "--strict", "--client-limit-ms", "15")
     client = summary["client"]

@@ -30,6 +30,7 @@ RUNS = [
 
 # Wall-clock timing on a shared 2-core machine: one rerun absorbs a burst of outside load. A client that
 # really mistimes (batched reads, parsing before the timestamp) is tens of ms off and fails both runs.
+@pytest.mark.alone
 @pytest.mark.flaky(reruns=1, reruns_delay=2)
 @pytest.mark.parametrize("case,users,warmup,measured,output_len", RUNS)
 def test_client_timing(scripted_server, tmp_path, case, users, warmup, measured, output_len):

@@ -149,5 +149,7 @@ def test_sigterm_on_locust_records_in_flight_requests_and_exits_1(tmp_path):
             proc.kill()
     assert proc.returncode == 1, stderr[-3000:]
     _assert_cut_short_cleanly(run_dir, stderr)
-    time.sleep(1)
+    deadline = time.monotonic() + 1.0  # a second for the embedded server to go, as before
+    while any(_alive(pid) for pid in server_pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not any(_alive(pid) for pid in server_pids), "the embedded server outlived the run"

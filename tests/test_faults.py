@@ -229,7 +229,7 @@ def _metrics(url: str) -> dict[tuple, float]:
 class FrontWatch:
     """Polls the front's view of one worker every 0.1 s from a thread: omni's ``/omni/workers`` (up,
     routed), or sglang-router's own metrics (its circuit breaker for the worker, the failed attempts on
-    it, its retries). ``samples``: (epoch s, view)."""
+    it, its retries). ``samples``: (epoch s when the view was read, view)."""
 
     def __init__(self, kind: str, front_url: str, router_metrics: str | None, worker: str):
         self.kind, self.front_url, self.router_metrics, self.worker = kind, front_url, router_metrics, worker
@@ -256,7 +256,8 @@ class FrontWatch:
     def _run(self) -> None:
         while not self.stop.is_set():
             with contextlib.suppress(OSError, ValueError, StopIteration):  # the front stopping at the end
-                self.samples.append((time.time(), self.view()))
+                view = self.view()
+                self.samples.append((time.time(), view))  # when it was read: a slow reply may show the kill
             time.sleep(0.1)
 
     def finish(self) -> None:
@@ -312,7 +313,9 @@ def test_a_worker_killed_mid_run(tmp_path, kind, policy):
         pid = _listening_pid(proc.pid, int(victim.rsplit(":", 1)[1]))
         metrics = _router_metrics_url(proc.pid, cluster.front_url) if kind == "router" else None
         watch = FrontWatch(kind, cluster.front_url, metrics, victim)
-        time.sleep(0.3)  # a sample of the front's view before the kill
+        deadline = time.monotonic() + 10  # a sample of the front's view before the kill
+        while not watch.samples and time.monotonic() < deadline:
+            time.sleep(0.02)
         t_kill = time.time()
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=240)

@@ -212,6 +212,7 @@ TRUTH_RUNS = [
 
 
 # Wall-clock timing on a shared 2-core machine: one rerun absorbs a burst of outside load.
+@pytest.mark.alone
 @pytest.mark.flaky(reruns=1, reruns_delay=2)
 @pytest.mark.parametrize("api,users,warmup,measured,output_len", TRUTH_RUNS)
 def test_itl_per_token_against_the_server_when_it_counts_only_at_the_end(

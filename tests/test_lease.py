@@ -59,6 +59,7 @@ def lease_figures(log: str) -> tuple[int, int, int, float]:
     return int(leased), int(blocks), int(again or 0), float(wait)
 
 
+@pytest.mark.alone
 def test_blocks_hand_out_every_index_once_warmup_first_behind_the_barrier(tmp_path, scripted):
     # 2 workers x 32 users, 64 warm-up and 640 measured requests of ~11 ms: blocks of several tickets.
     run, stderr = loadlab_run(tmp_path, scripted.url, "--workers", "2", "--concurrency", "64",
@@ -158,6 +159,7 @@ def test_a_killed_workers_unstarted_stock_is_leased_again_and_nothing_is_sent_tw
     assert all(r["outcome"] == "ok" for r in rows), why
 
 
+@pytest.mark.alone
 def test_open_loop_blocks_keep_every_due_time(tmp_path, scripted):
     # 200 req/s for 2 s across 2 workers: several tickets a block, each still sent at its own due time.
     run, stderr = loadlab_run(tmp_path, scripted.url, "--workers", "2", "--concurrency", "64",

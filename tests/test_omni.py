@@ -453,6 +453,7 @@ def test_streams_are_byte_identical_to_direct(tmp_path, omni):
         server.stop()
 
 
+@pytest.mark.alone
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # wall-clock timing on a shared machine
 def test_events_are_not_delayed(tmp_path, omni):
     """Per event, the client's receipt time minus the scripted server's write time, through omni and

@@ -38,6 +38,7 @@ def run_profile(tmp_path: Path, profile: Path, *extra: str) -> tuple[list[dict],
     return read_jsonl_records(run_dir / "records.jsonl"), json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.alone
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # send lateness in wall-clock ms on a shared 2-core machine
 def test_sends_follow_the_arrival_schedule(tmp_path):
     # 50 ms apart; a request takes ~0.1 s: ~2 in flight. No cap: one user per request (4 + 40).
@@ -60,6 +61,7 @@ def test_a_cap_makes_requests_queue_in_the_client_and_the_report_shows_it(tmp_pa
     assert summary["median_client_queue_ms"] == pytest.approx(np.median(queue), rel=1e-6)
 
 
+@pytest.mark.alone
 def test_distributed_open_loop_sends_on_schedule_with_tickets_leased_just_before_due(tmp_path):
     # Two workers, 44 requests due 50 ms apart (2.2 s): the master hands a ticket over 0.5 s before it is
     # due (a dead worker must not hold minutes of future arrivals), and it still goes out on time.

@@ -79,6 +79,7 @@ def _log_entry(scripted_server, server_id: str) -> dict:
 
 
 @linux
+@pytest.mark.alone
 @pytest.mark.flaky(reruns=1, reruns_delay=2)  # wall-clock timing on a shared machine
 def test_the_kernel_times_an_event_the_busy_client_reads_late(slow_server):
     # The first event is written 100 ms after the request: the loop holds the hub from 90 to 130 ms, so

@@ -59,6 +59,7 @@ async def _gather(url: str, payloads: list[dict]):
         return await asyncio.gather(*[stream(s, url, p) for p in payloads])
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("server", [{"enable_metrics": True}], indirect=True)
 def test_a100_batch_of_8_and_single_stream_over_http(server):
     ((t_send, events),) = asyncio.run(_gather(server.url, [body(unique(0, 1024), 64)]))
@@ -75,6 +76,7 @@ def test_a100_batch_of_8_and_single_stream_over_http(server):
     assert timing["event_lateness_ms"]["p50"] < 5.0 and timing["pass_end_lateness_ms"]["p50"] < 5.0
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("server", [{"gpu": "h100-80gb", "enable_metrics": True}], indirect=True)
 def test_h100_preset_over_http(server):
     info = orjson.loads(_get(server.url, "/server_info"))
@@ -137,6 +139,7 @@ def test_retractions_on_the_wire_and_in_metrics(server):
 
 
 @pytest.mark.parametrize("server", [{"max_running_requests": 4}], indirect=True)
+@pytest.mark.alone
 def test_http_and_virtual_time_agree(server):
     """The same 16 requests, 4 in flight: over HTTP on the wall clock and in virtual time."""
     p = validate_profile({

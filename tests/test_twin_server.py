@@ -637,6 +637,7 @@ def test_prefix_cache_hits_and_misses(twin, small):
     assert small.post_json("/generate", native(ids, 2, stream=False))[1]["meta_info"]["cached_tokens"] == 0
 
 
+@pytest.mark.alone
 def test_cached_prefix_skips_prefill_time(twin):
     prefix = rand_ids(4000)
     cold = twin.post_json("/generate", native(prefix + rand_ids(20), 1, stream=False))[1]["meta_info"]
@@ -684,6 +685,7 @@ async def _timing(url: str):
         return ttft, single_gap, mean_gap(one), sorted(mean_gap(ev) for _, ev in many)
 
 
+@pytest.mark.alone
 def test_timing_single_and_batched(twin):
     ttft, gap_1024, gap_one, gaps_16 = asyncio.run(_timing(twin.url))
     assert 0.060 < ttft < 0.110  # twin.md: a 1024-token prompt on an idle A100 ~80 ms

@@ -158,6 +158,7 @@ def test_virtual_replay_at_the_traces_times_and_the_twins_cache_hits_match_its_r
     assert abs(cached - blocks) < 0.05 and abs(cached - tokens) < 0.02
 
 
+@pytest.mark.alone
 def test_real_time_replay_reports_the_send_time_error(tmp_path):
     # The first 30 lines (~16 s of trace) at 4x speed against the embedded twin.
     done = subprocess.run([sys.executable, "-m", "loadlab", "run", str(TRACE_PROFILE), "--out", str(tmp_path),

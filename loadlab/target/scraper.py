@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -90,17 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=DEFAULT_SCRAPE_INTERVAL_S)
     args = parser.parse_args(argv)
     api_key = os.environ.get(API_KEY_ENV) or None  # the run's key, from its environment (never argv)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    # SIGTERM (the run's end) ends the wait for the next round at once, not after the rest of an interval.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with open(args.out, "a") as f:
         next_t, round_no = time.monotonic(), 0
-        while not stop:
+        while not stop.is_set():
             for url in args.urls:  # a round: every server once; the round number lines their series up
                 f.write(json.dumps({**scrape_once(url, api_key=api_key), "round": round_no}) + "\n")
             f.flush()
             round_no += 1
             next_t += args.interval
-            time.sleep(max(0.0, next_t - time.monotonic()))
+            stop.wait(max(0.0, next_t - time.monotonic()))
     return 0
 
 
