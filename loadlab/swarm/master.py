@@ -180,7 +180,7 @@ class Coordinator:
         open_loop = run is not None and run.tickets.arrivals is not None
         while self.asks and (tick or not open_loop):
             worker, want = next(iter(self.asks.items()))
-            tickets = self._take(want.n, worker)
+            tickets = self._take(want.n)
             if not tickets:
                 break
             del self.asks[worker]
@@ -192,14 +192,14 @@ class Coordinator:
         if open_loop:
             self._arm_timer()
 
-    def _take(self, n: int, worker: str) -> list[Ticket]:
+    def _take(self, n: int) -> list[Ticket]:
         """Up to ``n`` tickets that may be handed out now, of one phase: tickets to lease again first (their
         due times, if any, have passed or are near), then new ones, up to the warm-up barrier and, in open
         loop, up to those due within LEASE_AHEAD_S."""
         run = self.run
         if run is None or run.finalized or self.drain_done:
             return []
-        n = min(n, self._fair_share(worker))
+        n = min(n, self._fair_share())
         out: list[Ticket] = []
         while self.pool and len(out) < n:
             out.append(heapq.heappop(self.pool))
@@ -221,19 +221,15 @@ class Coordinator:
             out.append(ticket)
         return out
 
-    def _fair_share(self, worker: str) -> int:
-        """The most one block to ``worker`` may take: an even share among the live workers of what is left
-        of the phase, counting the tickets their stocks hold unstarted, less what ``worker``'s stock holds,
-        so that near the end of the run (or of the warm-up) no worker's stock keeps tickets the others'
-        free users could send, and a worker whose stock ran low is not held to a share of only what is
-        left to lease while the others' stocks are full (its block then fills it to theirs)."""
+    def _fair_share(self) -> int:
+        """The most one block may take: what is left of the phase shared among the live workers, so that
+        near the end of the run (or of the warm-up) no worker's stock keeps tickets the others' free users
+        could send."""
         tickets = self.run.tickets
         end = tickets.warmup if tickets.next_index < tickets.warmup else tickets.total
         left = end - tickets.next_index + len(self.pool) + (self.upcoming is not None)
-        live = [c.id for c in self.runner.clients.all if c.state != STATE_MISSING]
-        held = {w: len(self.unstarted[w]) for w in live if w in self.unstarted}
-        share = -(-(left + sum(held.values())) // (len(live) or 1))
-        return max(1, share - held.get(worker, 0))
+        workers = sum(1 for c in self.runner.clients.all if c.state != STATE_MISSING) or 1
+        return max(1, -(-left // workers))
 
     def _no_more(self) -> bool:
         """No ticket can be leased ever again: the dispenser is empty and no leased ticket can come back."""
