@@ -16,14 +16,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from loadlab.procs import free_port
 from loadlab.records import read_jsonl_records
-from loadlab.swarm.worker import RemoteTickets
 from loadlab.testing.servers import start_scripted
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,26 +83,6 @@ def test_blocks_hand_out_every_index_once_warmup_first_behind_the_barrier(tmp_pa
     assert takes >= 640 - 64 and empty <= 0.01 * takes, stderr[-2000:]
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["complete"] and manifest["counts"]["lost_in_flight"] == 0
-
-
-def test_the_mark_plans_for_the_longest_recent_round_trip():
-    # The sizing rule alone (no run: a RemoteTickets without its worker): 64 users taking 100 tickets/s.
-    tickets = RemoteTickets.__new__(RemoteTickets)
-    tickets.open_loop, tickets.runner, tickets.rate = False, SimpleNamespace(user_count=64), 100.0
-    tickets.rtt_s, tickets._rtt_at = 0.050, time.monotonic()
-    assert tickets.marks() == (74, 148)  # a ticket per user + the takes of two 50 ms round trips
-    tickets._note_rtt(0.300)  # one slow round trip raises the mark at once (a moving average would not)
-    assert tickets.marks() == (124, 248)
-    tickets._note_rtt(0.040)  # and a fast one right after does not lower it
-    assert tickets.rtt_s == pytest.approx(0.300, rel=0.01)
-    tickets._rtt_at -= 2 * RemoteTickets.RTT_HALF_LIFE_S  # two half-lives without a slow one: a quarter
-    tickets._note_rtt(0.040)
-    assert tickets.rtt_s == pytest.approx(0.075, rel=0.01)
-    tickets._rtt_at -= 10 * RemoteTickets.RTT_HALF_LIFE_S  # a quiet spell: back to the round trips seen
-    tickets._note_rtt(0.040)
-    assert tickets.rtt_s == pytest.approx(0.040, rel=0.01)
-    tickets._note_rtt(30.0)  # a held ask is no round trip: the stock stays bounded
-    assert tickets.rtt_s == RemoteTickets.RTT_MAX_S and tickets.marks()[0] == 64 + 100
 
 
 def start_master(tmp_path: Path, profile: Path, port: int) -> subprocess.Popen:
