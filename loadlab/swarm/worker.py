@@ -57,18 +57,16 @@ CLOCK_PINGS = 5
 class RemoteTickets:
     """A worker's tickets: a small stock leased from the master in blocks, which users take from without a
     round trip. One ask is outstanding at a time; it goes out when the stock falls below its low-water mark
-    (closed loop: a ticket for every user plus the takes of two of the longest recent round trips) and asks
-    for twice the mark plus the users already waiting. In open loop the worker asks only for its waiting
-    users, so a ticket always goes to a free user (it is handed over at most LEASE_AHEAD_S before it is
-    due) and no ticket waits in the stock of a busy worker while another has free users.
+    (closed loop: a ticket for every user plus the takes of two round trips) and asks for twice the mark
+    plus the users already waiting. In open loop the worker asks only
+    for its waiting users, so a ticket always goes to a free user (it is handed over at most LEASE_AHEAD_S
+    before it is due) and no ticket waits in the stock of a busy worker while another has free users.
 
     A ticket taken from the stock is reported to the master in the worker's next RecordBatch, and ``take``
     returns only once that batch is on the wire: a request never reaches the server before the master
     knows it may have."""
 
     EXPIRE_EVERY_S = 1.0
-    RTT_HALF_LIFE_S = 2.0  # how fast the round trip the mark plans for forgets a slow one
-    RTT_MAX_S = 0.5
 
     def __init__(self, run: WorkerRun, runner, open_loop: bool):
         self.run = run
@@ -85,8 +83,7 @@ class RemoteTickets:
         self.arrived = Event()  # replaced by a new one each time a block arrives (its waiters look again)
         self.measuring = False
         self.on_measure_start = None  # called once, with this worker's first measured ticket
-        self.rtt_s = 0.010  # an ask's round trip: the longest of the recent ones (``_note_rtt``)
-        self._rtt_at = time.monotonic()
+        self.rtt_s = 0.010  # an ask's round trip (moving average)
         self.rate = 0.0  # tickets taken per second (moving average)
         self._window = (time.monotonic(), 0)
         self.takes = self.asks = 0
@@ -179,27 +176,16 @@ class RemoteTickets:
     def marks(self) -> tuple[int, int]:
         """(low-water mark, refill): the stock to keep beyond the users waiting, and to ask up to. The mark
         is a ticket for every user (closed-loop users tend to finish in waves: all of them may come for
-        their next ticket while an ask is out) plus the takes of two round trips, the round trip being the
-        longest recent one (a busy machine's round trip is tens of ms and varies: ``_note_rtt``); a refill
-        is twice the mark, so each ask brings a block of at least the mark. Measured at 8 workers x 64
-        users on 2 shared cores: a mark of at most the users left waves of 10-40 users waiting up to 140 ms
-        for a block (bench/RESULTS.md)."""
+        their next ticket while an ask is out) plus the takes of two round trips (a busy machine's round
+        trip is tens of ms, and varies); a refill is twice the mark, so each ask brings a block of at least
+        the mark. Measured at 8 workers x 64 users on 2 shared cores: a mark of at most the users left
+        waves of 10-40 users waiting up to 140 ms for a block (bench/RESULTS.md)."""
         if self.open_loop:
             return 0, 0
         users = max(1, self.runner.user_count)
         ahead = 2.0 * self.rate * self.rtt_s  # takes during two round trips
         low = users + math.ceil(ahead)
         return low, 2 * low
-
-    def _note_rtt(self, sample_s: float) -> None:
-        """The round trip the mark plans for: a maximum that decays by half every RTT_HALF_LIFE_S, so one
-        slow round trip raises the mark at once (a busy machine's slow round trips come in bursts) and a
-        quiet spell lowers it again within seconds; at most RTT_MAX_S (an ask held at the master for
-        another reason, e.g. at the end of a phase, is no round trip either)."""
-        now = time.monotonic()
-        decayed = self.rtt_s * 0.5 ** ((now - self._rtt_at) / self.RTT_HALF_LIFE_S)
-        self.rtt_s = max(min(sample_s, self.RTT_MAX_S), decayed)
-        self._rtt_at = now
 
     def _refill(self) -> None:
         if self.asking is not None or self.done or self.stopped:
@@ -217,9 +203,8 @@ class RemoteTickets:
         tickets = block.decoded(clock_offset_s)
         if block.id == self.asking:
             self.asking = None
-            # The ask held at the barrier (the first measured block) is no round trip.
-            if not (tickets and tickets[0].phase == MEASURE and not self.measuring):
-                self._note_rtt(time.monotonic() - self.asked_at)
+            sample = min(time.monotonic() - self.asked_at, 0.25)  # a held ask (the barrier) is no round trip
+            self.rtt_s = 0.8 * self.rtt_s + 0.2 * sample
         if block.done:
             self.done = True
         if self.stopped:
