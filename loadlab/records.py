@@ -375,6 +375,30 @@ def in_background(fn, *args) -> Any:
     return future
 
 
+def in_order(fn, items, workers: int = 2, ahead: int = 4):
+    """``fn(item)`` for each of ``items``, yielded in their order, up to ``ahead`` of them computed in
+    ``workers`` native threads (work that releases the GIL then uses several cores); in turn where there are
+    no native threads."""
+    if not native_threads():
+        yield from (fn(item) for item in items)
+        return
+    import collections
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="loadlab-in-order") as pool:
+        pending: collections.deque = collections.deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) > ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:  # a consumer that stopped early: the rest is not computed
+                future.cancel()
+
+
 def read_ahead(items, depth: int = 2):
     """``items`` (an iterator), produced in a native thread up to ``depth`` ahead of the consumer; as it is in
     a gevent-patched process (no native thread to be had there: threading is greenlets)."""

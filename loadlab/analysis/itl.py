@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from loadlab.analysis.stats import Events, lerp, linear_positions
-from loadlab.records import side_by_side
+from loadlab.records import in_order, side_by_side
 
 # A batch of records' per-event columns: receipt times (ms), each record's number of them, tokens per event,
 # each record's number of them (``records.event_batches``).
@@ -81,39 +82,16 @@ class RunEvents:
     @classmethod
     def of_batches(cls, batches: Iterable[EventBatch], keep_times: bool = False) -> RunEvents:
         """From batches of whole records in the run's order. ``keep_times``: also keep every event's receipt
-        time and tokens (``times``; the report's timeline)."""
+        time and tokens (``times``; the report's timeline). Batches are cleaned two at a time in native
+        threads where there are any (numpy's loops release the GIL), kept in order."""
         chunks: list[_Chunk] = []
         per_row: list[tuple[np.ndarray, ...]] = []
         row0 = 0
-        scratch = np.empty(0)
-        for ms, ms_lengths, tok, tok_lengths in batches:
-            if scratch.size < len(ms):
-                scratch = np.empty(len(ms))
-            ev = Events(ms, ms_lengths, tok, tok_lengths, scratch)
-            later = ev.later
-            gaps = ev.gaps
-            zero = np.flatnonzero(gaps == 0.0)
-            zero_gaps = np.zeros(ev.rows, dtype=np.int64)
-            if zero.size:  # each zero gap's record, in bulk
-                np.add.at(zero_gaps, np.searchsorted(np.cumsum(later), zero, side="right"), 1)
-            with_later = np.flatnonzero(later)
-            starts = np.zeros(with_later.size, dtype=np.int64)
-            np.cumsum(later[with_later][:-1], out=starts[1:])
-            later_tok = _narrow(ev.tok)[ev.later_mask]
-            gap_sum, squares, per_token = np.zeros(ev.rows), np.zeros(ev.rows), np.zeros(ev.rows)
-            if with_later.size:
-                gap_sum[with_later] = np.add.reduceat(gaps, starts)
-                square = np.multiply(gaps, gaps, out=scratch[: gaps.size])
-                squares[with_later] = np.add.reduceat(square, starts)
-                per_token[with_later] = np.add.reduceat(np.divide(square, later_tok, out=square), starts)
-            chunk = _Chunk(row0, ev.rows, gaps, later_tok, later, with_later, starts)
-            if keep_times:
-                chunk.ms, chunk.all_tok, chunk.lengths = ev.ms, ev.tok, ev.lengths
+        for chunk, rows in in_order(functools.partial(_cleaned, keep_times=keep_times), batches):
+            chunk.row0 = row0
             chunks.append(chunk)
-            per_row.append(
-                (ev.lengths, ev.first_tokens, ev.token_sum, zero_gaps, gap_sum, squares, per_token)
-            )
-            row0 += ev.rows
+            per_row.append(rows)
+            row0 += chunk.rows
         if not per_row:
             return cls()
         return cls(chunks, *(np.concatenate(c) for c in zip(*per_row, strict=True)))
@@ -151,6 +129,39 @@ class RunEvents:
             "first_tokens": self.first_tokens[sel],
             "token_sum": self.token_sum[sel],
         }
+
+
+_scratch = threading.local()  # per thread: the gaps between all of a batch's events (fresh memory is faults)
+
+
+def _cleaned(batch: EventBatch, keep_times: bool) -> tuple[_Chunk, tuple[np.ndarray, ...]]:
+    """One batch's chunk (its first record's place left at 0) and its per-record arrays: kept events, first
+    tokens, tokens, zero gaps, and the sums of gaps, squared gaps and squared gaps over tokens."""
+    ms, ms_lengths, tok, tok_lengths = batch
+    scratch = getattr(_scratch, "array", None)
+    if scratch is None or scratch.size < len(ms):
+        scratch = _scratch.array = np.empty(len(ms))
+    ev = Events(ms, ms_lengths, tok, tok_lengths, scratch)
+    later = ev.later
+    gaps = ev.gaps
+    zero = np.flatnonzero(gaps == 0.0)
+    zero_gaps = np.zeros(ev.rows, dtype=np.int64)
+    if zero.size:  # each zero gap's record, in bulk
+        np.add.at(zero_gaps, np.searchsorted(np.cumsum(later), zero, side="right"), 1)
+    with_later = np.flatnonzero(later)
+    starts = np.zeros(with_later.size, dtype=np.int64)
+    np.cumsum(later[with_later][:-1], out=starts[1:])
+    later_tok = _narrow(ev.tok)[ev.later_mask]
+    gap_sum, squares, per_token = np.zeros(ev.rows), np.zeros(ev.rows), np.zeros(ev.rows)
+    if with_later.size:
+        gap_sum[with_later] = np.add.reduceat(gaps, starts)
+        square = np.multiply(gaps, gaps, out=scratch[: gaps.size])
+        squares[with_later] = np.add.reduceat(square, starts)
+        per_token[with_later] = np.add.reduceat(np.divide(square, later_tok, out=square), starts)
+    chunk = _Chunk(0, ev.rows, gaps, later_tok, later, with_later, starts)
+    if keep_times:
+        chunk.ms, chunk.all_tok, chunk.lengths = ev.ms, ev.tok, ev.lengths
+    return chunk, (ev.lengths, ev.first_tokens, ev.token_sum, zero_gaps, gap_sum, squares, per_token)
 
 
 def _narrow(tok: np.ndarray) -> np.ndarray:
