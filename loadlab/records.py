@@ -317,22 +317,31 @@ def list_values(array) -> tuple[np.ndarray, np.ndarray]:
 EVENT_FIELDS = ("arrival_ms", "arrival_tokens")
 
 
-def event_batches(run_dir: Path):
-    """records.parquet's per-event columns a row group at a time, in the file's order: (receipt times, each
-    record's number of them, tokens per event, each record's number of them) as numpy arrays. Only a group
-    or two are held at a time: a million records' ~100M events never sit in memory as Arrow columns. The
-    next group is read in a native thread while the caller works on this one (Arrow decodes without the
-    GIL), except in a gevent-patched process, where threads are greenlets."""
+def event_batches(run_dir: Path, groups=None):
+    """records.parquet's per-event columns a row group at a time, in the file's order (``groups``: only the
+    row groups at those indices): (receipt times, each record's number of them, tokens per event, each
+    record's number of them) as numpy arrays. Only a group or two are held at a time: a million records'
+    ~100M events never sit in memory as Arrow columns. The next group is read in a native thread while the
+    caller works on this one (Arrow decodes without the GIL), except in a gevent-patched process, where
+    threads are greenlets."""
     import pyarrow.parquet as pq
 
-    def groups():
+    def read():
         with pq.ParquetFile(Path(run_dir) / RECORDS_PARQUET) as file:
             have = [name for name in EVENT_FIELDS if name in file.schema_arrow.names]
-            for group in range(file.num_row_groups):
+            for group in range(file.num_row_groups) if groups is None else groups:
                 table = file.read_row_group(group, columns=have)
                 yield _event_columns(table, table.num_rows)
 
-    return read_ahead(groups())
+    return read_ahead(read())
+
+
+def row_group_sizes(run_dir: Path) -> list[int]:
+    """records.parquet's records per row group (``event_batches``' batches), from its footer."""
+    import pyarrow.parquet as pq
+
+    metadata = pq.read_metadata(Path(run_dir) / RECORDS_PARQUET)
+    return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
 
 
 def native_threads() -> bool:

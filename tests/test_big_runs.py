@@ -16,7 +16,7 @@ import pytest
 
 from loadlab.analysis import write_report
 from loadlab.analysis.html import _in_flight_per_second, _median_per_second, _tokens_per_second
-from loadlab.analysis.itl import RunEvents, _cells, _Scan, itl_figures, weighted_kth
+from loadlab.analysis.itl import EventSource, RunEvents, itl_figures, scan_events, weighted_kth
 from loadlab.analysis.metrics import compute_summary, counts_from, in_flight, record_events
 from loadlab.analysis.stats import BRACKET_MIN, Events, lists_batch, order_statistics, quantiles
 from loadlab.manifest import Counts, Manifest, TargetInfo, software_versions, write_manifest
@@ -459,10 +459,10 @@ def test_token_count_sources_counted_with_the_old_records_fallback():
 
 @pytest.mark.parametrize("shape", ["steady", "drifting", "pilot_unlike_the_rest", "constant"])
 def test_the_one_pass_scan_and_its_fallback_give_numpys_figures(shape):
-    """40 chunks: a pilot of every 5th predicts where each order statistic lies and one pass gathers those
-    buckets; where the pilot misleads (its chunks unlike the others, ~1M events so that its margin is
-    narrow), or where the records' sums of squares would cancel (a constant gap), the scan falls back to two
-    exact passes. Either way, numpy's figures."""
+    """40 batches: a pilot of every 5th predicts where each order statistic lies and one pass gathers those
+    buckets as it counts; where the pilot misleads (its batches unlike the others, ~1M events so that its
+    margin is narrow), or where the records' sums of squares would cancel (a constant gap), a second pass
+    takes the wanted buckets and the moments exactly. Either way, numpy's figures."""
     rng = np.random.default_rng(16)
     batches = []
     for b in range(40):
@@ -476,23 +476,20 @@ def test_the_one_pass_scan_and_its_fallback_give_numpys_figures(shape):
             ]
             gaps = rng.gamma(3, scale, n)
         batches.append((np.cumsum(gaps), lengths, rng.choice([1, 1, 2, 4], n), lengths))
-    events = RunEvents.of_batches(batches)
+    source = EventSource.of(batches)
+    rows = sum(source.sizes)
     flat = Events(*(np.concatenate(column) for column in zip(*batches, strict=True)))
-    klass, ok = rng.integers(0, 3, events.rows), rng.random(events.rows) < 0.9
+    klass, ok = rng.integers(0, 3, rows), rng.random(rows) < 0.9
     scopes = [ok, ok & (klass == 0), ok & (klass == 1)]
-    cells, scope_cells = _cells(scopes, events.rows)
-    n_cells = int(cells.max()) + 1
-    cells[cells < 0] = n_cells
-    scan = _Scan(events, cells, n_cells)
     qs = [0.0, 50.0, 90.0, 95.0, 99.0, 99.9, 100.0]
-    for weighted, key in ((False, "itl_per_event"), (True, "itl_per_token")):
-        figures = scan.figures(weighted, scope_cells, qs)
+    scanned = scan_events(source, scopes, qs)
+    for metric, key in (("itl_per_event_ms", "itl_per_event"), ("itl_ms", "itl_per_token")):
         if shape in ("steady", "pilot_unlike_the_rest"):
-            assert scan.one_pass[weighted] is (shape == "steady")
-        if shape == "constant" and not weighted:  # sums of squares would cancel: the exact passes
-            assert scan.one_pass[weighted] is False
-        for scope, got in zip(scopes, figures, strict=True):
-            samples = flat.pooled(scope)[key]
+            assert scanned.one_pass[metric] is (shape == "steady")
+        if shape == "constant" and metric == "itl_per_event_ms":  # sums of squares would cancel
+            assert scanned.one_pass[metric] is False
+        for scope, figures in zip(scopes, scanned.figures, strict=True):
+            samples, got = flat.pooled(scope)[key], figures[metric]
             assert got.count == samples.size
             assert [got.known[q] for q in qs] == np.percentile(samples, qs).tolist()
             assert got.mean == pytest.approx(np.mean(samples), rel=1e-12)

@@ -1,21 +1,21 @@
 """ITL over a big run's events, exactly, without holding a sample per token (issue 17, part 5).
 
 A million records carry ~100M token-carrying events and ~160M per-token ITL samples: materialising those
-samples for the run and again for each SLO class took most of a 45 s summary. Here the events are kept as
-each batch's (a Parquet row group's) later-event gaps and token counts (``RunEvents``, with each record's
-sums of gaps and squared gaps), and every scope's figures come from passes over them (``itl_figures``):
+samples for the run and again for each SLO class took most of a 45 s summary. Here each batch of records (a
+Parquet row group) is cleaned and scanned as it is read (``scan_events``), and only each record's sums are
+kept (``RunEvents``; the events themselves only for report.html's plots):
 
 - a histogram per *cell* (the requests that belong to the same set of scopes: the run and one class, say)
   over buckets of the value's bits (sign, exponent and 12 bits of mantissa, ~0.025 % wide), per event or
   weighted by tokens; a scope's histogram is the sum of its cells';
 - the events in the buckets that hold a wanted order statistic, gathered, whose exact values a radix select
-  among those few finds (``weighted_kth``).
+  among those few finds (``weighted_kth``). With 16 batches or more a pilot of every eighth says, before
+  the pass, where each order statistic will lie; the pass gathers those buckets with a margin as it counts;
+- the means and standard deviations from the records' sums of gaps and squared gaps.
 
-With 16 chunks or more this is one pass: a pilot of every eighth chunk says where each order statistic will
-lie, and the pass gathers those buckets with a margin as it counts; the means and standard deviations come
-from the records' sums. When the pilot misled (a statistic outside what was gathered) or the sums would lose
-precision (a near-constant metric), two exact passes follow: the counts, then the wanted buckets and the
-moments about each cell's exact mean.
+The histograms are exact after the one pass, so when the pilot misled (a statistic outside what was
+gathered) or the sums would lose precision (a near-constant metric), one more pass (over the batches read
+again, or the chunks kept) gathers exactly the wanted buckets and the moments about each cell's mean.
 
 The per-token samples of a request are ``gap / tokens`` repeated ``tokens`` times (``stats.itl_samples``);
 here each event stands for its repeats with a weight, so a percentile is the same order statistic of the same
@@ -28,20 +28,21 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from loadlab.analysis.stats import Events, lerp, linear_positions
-from loadlab.records import in_order, side_by_side
+from loadlab.records import in_order
 
 # A batch of records' per-event columns: receipt times (ms), each record's number of them, tokens per event,
 # each record's number of them (``records.event_batches``).
 EventBatch = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 ITL_METRICS = ("itl_ms", "itl_per_event_ms")
+_WEIGHTED = {"itl_ms": True, "itl_per_event_ms": False}  # per token: each event weighted by its tokens
 
 
 @dataclass
@@ -61,12 +62,37 @@ class _Chunk:
 
 
 @dataclass
+class EventSource:
+    """Batches of whole records in the run's order that can be read again (a file's row groups, a table's
+    batches, chunks kept from a reading): each batch's number of records, and ``read(which)`` giving the
+    batches at the indices ``which`` (None: all) in order."""
+
+    sizes: list[int]
+    read: Callable[[Sequence[int] | None], Iterable[Any]]
+
+    @classmethod
+    def of(cls, batches: Iterable[EventBatch | _Chunk]) -> EventSource:
+        held = list(batches)
+        sizes = [b.rows if isinstance(b, _Chunk) else len(b[1]) for b in held]
+        return cls(sizes, lambda which=None: held if which is None else [held[i] for i in which])
+
+    def numbered(self, which: Sequence[int] | None = None) -> Iterator[tuple[int, Any]]:
+        """The batches ``which`` selects, each with its first record's place in the run."""
+        row0 = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]).tolist()
+        at = range(len(self.sizes)) if which is None else which
+        return zip((row0[i] for i in at), self.read(which), strict=True)
+
+
+@dataclass
 class RunEvents:
-    """Every record's token-carrying events, cleaned as ``stats.Events`` cleans them, one chunk per batch.
+    """Every record's token-carrying events, cleaned as ``stats.Events`` cleans them.
 
     Per record (concatenated): ``lengths`` (kept events), ``first_tokens`` (tokens of the first; NaN without
     one), ``token_sum``, ``zero_gaps`` (later events received at the same time as the one before: a read
-    that carried several). Per event only the gaps and token counts of later events, chunk by chunk."""
+    that carried several), and the sums of its gaps and squared gaps. Per event, where they were kept
+    (``chunks``: ``of_batches``, or a scan that keeps them), the gaps and token counts of later events, chunk
+    by chunk. ``figures``: each scope's ITL where a scan took them as it read (``scan_events``), by the
+    scope's name (None: the run)."""
 
     chunks: list[_Chunk] = field(default_factory=list)
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -78,23 +104,21 @@ class RunEvents:
     # second moment about 0: tokens x (gap / tokens)^2).
     gap_squares: np.ndarray = field(default_factory=lambda: np.zeros(0))
     gap_squares_per_token: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    figures: dict[str | None, dict[str, Pooled]] | None = None
 
     @classmethod
     def of_batches(cls, batches: Iterable[EventBatch], keep_times: bool = False) -> RunEvents:
-        """From batches of whole records in the run's order. ``keep_times``: also keep every event's receipt
-        time and tokens (``times``; the report's timeline). Batches are cleaned two at a time in native
-        threads where there are any (numpy's loops release the GIL), kept in order."""
-        chunks: list[_Chunk] = []
-        per_row: list[tuple[np.ndarray, ...]] = []
-        row0 = 0
-        for chunk, rows in in_order(functools.partial(_cleaned, keep_times=keep_times), batches):
-            chunk.row0 = row0
-            chunks.append(chunk)
-            per_row.append(rows)
-            row0 += chunk.rows
-        if not per_row:
-            return cls()
-        return cls(chunks, *(np.concatenate(c) for c in zip(*per_row, strict=True)))
+        """From batches of whole records in the run's order, every chunk kept. ``keep_times``: also keep every
+        event's receipt time and tokens (``times``; the report's timeline). Batches are cleaned two at a time
+        in native threads where there are any (numpy's loops release the GIL), kept in order."""
+
+        def numbered():
+            row0 = 0
+            for batch in batches:
+                yield row0, batch
+                row0 += len(batch[1])
+
+        return _read(numbered(), keep_times, keep=True)[0]
 
     @property
     def rows(self) -> int:
@@ -129,6 +153,44 @@ class RunEvents:
             "first_tokens": self.first_tokens[sel],
             "token_sum": self.token_sum[sel],
         }
+
+
+def _read(
+    numbered: Iterable[tuple[int, Any]],
+    keep_times: bool,
+    keep: bool,
+    scan: _Scan | None = None,
+    plan: dict[bool, _Step] | None = None,
+) -> tuple[RunEvents, dict[bool, _Passed]]:
+    """One pass over batches (each with its first record's place): each cleaned (a chunk kept from before is
+    used as it is) and, with a ``plan`` (per metric, weighted or not: what to take), scanned, two at a time
+    in native threads; the chunks kept if ``keep``. The records' arrays are those of the batches cleaned."""
+    plan = plan or {}
+    passed = {weighted: _Passed(scan.nc, step.counting) for weighted, step in plan.items()} if scan else {}
+    chunks: list[_Chunk] = []
+    per_row: list[tuple[np.ndarray, ...]] = []
+    work = functools.partial(_work, keep_times=keep_times, scan=scan, plan=plan)
+    for chunk, rows, parts in in_order(work, numbered, ahead=8):
+        if keep:
+            chunks.append(chunk)
+        if rows is not None:
+            per_row.append(rows)
+        for weighted, part in parts.items():
+            passed[weighted].add(part)
+    if not per_row:
+        return RunEvents(chunks), passed
+    return RunEvents(chunks, *(np.concatenate(c) for c in zip(*per_row, strict=True))), passed
+
+
+def _work(numbered: tuple[int, Any], keep_times: bool, scan: _Scan | None, plan: dict[bool, _Step]):
+    row0, batch = numbered
+    if isinstance(batch, _Chunk):
+        chunk, rows = batch, None
+    else:
+        chunk, rows = _cleaned(batch, keep_times)
+        chunk.row0 = row0
+    parts = scan.parts(chunk, plan) if scan is not None and plan else {}
+    return chunk, rows, parts
 
 
 _scratch = threading.local()  # per thread: the gaps between all of a batch's events (fresh memory is faults)
@@ -181,7 +243,7 @@ def _narrow(tok: np.ndarray) -> np.ndarray:
 class Pooled:
     """A metric's samples over a scope's events, not held one by one: their count, mean, standard deviation
     and the exact percentiles asked for (0 and 100 are the minimum and maximum), and a uniform draw of them
-    for a plot (``draw``)."""
+    for a plot (``draw``; where the events were kept)."""
 
     count: int
     mean: float | None
@@ -194,30 +256,118 @@ class Pooled:
         return self._draw(n) if self._draw is not None and self.count else np.empty(0)
 
 
-# Level-1 buckets: the bits of a float64 from the sign down to 12 bits of mantissa (4096 buckets a binade).
+# Level-1 buckets: the bits of a float64 from the sign down to 12 bits of mantissa (4096 buckets a binade),
+# over a fixed range, 2^-20 ms to 2^30 ms (values beyond it fall in the end buckets, which the select splits
+# like any other): a pass knows its buckets before its first event. A histogram is bucket-major (a bucket's
+# cells side by side), so a batch's counts cover only the buckets its values span.
 _SHIFT = 40
-_TINY_KEY = int(np.float64(2.0**-20).view(np.int64))  # ms: below it (zeros, negatives) one bucket
-_MAX_BUCKETS = 1 << 18
+_LO = int(np.float64(2.0**-20).view(np.int64)) >> _SHIFT
+_HI = int(np.float64(2.0**30).view(np.int64)) >> _SHIFT
+_BUCKETS = _HI - _LO + 1
 _SORT_MAX = 1 << 15  # a gathered set this small is sorted; larger ones are split by their bits again
+
+# The one-pass scan: a pilot of about this many batches, for scans of at least _PILOT_MIN batches.
+_PILOT_CHUNKS = 8
+_PILOT_MIN = 16
+# Moments from the records' sums are kept when the sum of squares is at most this many times the second
+# moment about the mean (a cancellation of at most 4 of the 16 digits); else a pass about the cells' means.
+_PRECISION = 1e4
+
+
+@dataclass
+class Scanned:
+    """``scan_events``' result: the records' events, each scope's figures (in the scopes' order), and per
+    metric whether the one pass sufficed (False: a second pass was needed)."""
+
+    events: RunEvents
+    figures: list[dict[str, Pooled]]
+    one_pass: dict[str, bool]
+
+
+def scan_events(
+    source: EventSource,
+    scopes: Sequence[np.ndarray],
+    qs: Sequence[float],
+    keep_times: bool = False,
+    known: RunEvents | None = None,
+) -> Scanned:
+    """The records' events read from ``source``, and for each scope (a boolean mask over the records) its
+    per-token (``itl_ms``) and per-event (``itl_per_event_ms``) ITL: count, mean, std and the q-th
+    percentiles (0..100, numpy's linear method), taken as the batches are read. ``keep_times``: the events
+    are kept with their receipt times (the report's timeline and plots). ``known``: the records' events
+    when ``source`` reads their kept chunks (their records' sums are taken from it)."""
+    rows = int(sum(source.sizes))
+    for mask in scopes:
+        if len(mask) != rows:
+            raise ValueError(f"scan_events: a scope of {len(mask)} records over {rows} records' events")
+    qs = sorted({float(q) for q in (0, 100, *qs)})
+    cells, scope_cells = _cells(scopes, rows)
+    n_cells = int(cells.max()) + 1 if cells.size and cells.max() >= 0 else 0
+    cells[cells < 0] = n_cells  # records in no scope: a cell of their own, never read
+    scan = _Scan(cells, n_cells)
+    metrics = {metric: _WEIGHTED[metric] for metric in ITL_METRICS}
+    # Nothing to scan when no scope has a record: the events are only read.
+    plan = {weighted: _Step() for weighted in metrics.values()} if n_cells else {}
+    batches = len(source.sizes)
+    if batches >= _PILOT_MIN:  # where each order statistic will lie, from every few batches
+        _, pilot = _read(
+            source.numbered(range(0, batches, batches // _PILOT_CHUNKS)), False, False, scan, plan
+        )
+        plan = {w: _Step(lut=scan.predicted(pilot[w].histogram(), scope_cells, qs)) for w in plan}
+    # Few batches: a second pass reads the kept chunks; a source of kept chunks keeps them.
+    keep = keep_times or batches < _PILOT_MIN or known is not None
+    events, passed = _read(source.numbered(), keep_times, keep, scan, plan)
+    if known is not None:
+        events = known
+    if events.rows != rows:
+        raise ValueError(f"scan_events: {events.rows} records' events read, {rows} expected")
+    scan.sums(events)
+    # The pass's answers where it gathered every wanted bucket and the sums kept their precision; the rest
+    # from one more pass: the wanted buckets exactly, the moments about each cell's mean.
+    wants, again = {}, {}
+    for weighted in plan:
+        p = passed[weighted]
+        p.s1, p.s2, p.count = scan.total, scan.squares[weighted], scan.count[weighted]
+        wants[weighted] = _targets(p.histogram(), scope_cells, qs, scan.count[weighted])
+        lut = plan[weighted].lut
+        gathered = lut is not None and all(
+            lut[b * scan.nc + cell] for want in wants[weighted] if want is not None
+            for b in np.unique(want.at).tolist() for cell in want.cells
+        )  # fmt: skip
+        precise = not np.any((scan.count[weighted] > 0) & (p.s2 > _PRECISION * np.maximum(p.m2(), 0)))
+        if not (gathered and precise):
+            again[weighted] = _Step(
+                counting=False,
+                lut=None if gathered else scan.wanted(wants[weighted]),
+                centre=None if precise else p.mean(),
+            )
+    if again:
+        second = EventSource.of(events.chunks) if keep else source
+        _, more = _read(second.numbered(), False, False, scan, again)
+        for weighted, step in again.items():
+            p, q = passed[weighted], more[weighted]
+            if step.lut is not None:
+                p.gathered = q.gathered
+            if step.centre is not None:
+                p.s1, p.s2, p.centre = q.s1, q.s2, step.centre
+    figures: list[dict[str, Pooled]] = [{} for _ in scopes]
+    drawn = events.chunks if keep else None
+    for metric, weighted in metrics.items():
+        pooled = (
+            scan.answer(passed[weighted], wants[weighted], scope_cells, qs, weighted, drawn)
+            if weighted in plan
+            else [Pooled(0, None, None, {}) for _ in scopes]
+        )
+        for figure, one in zip(figures, pooled, strict=True):
+            figure[metric] = one
+    return Scanned(events, figures, {m: w not in again for m, w in metrics.items()})
 
 
 def itl_figures(
     events: RunEvents, scopes: Sequence[np.ndarray], qs: Sequence[float]
 ) -> list[dict[str, Pooled]]:
-    """For each scope (a boolean mask over the records), its per-token (``itl_ms``) and per-event
-    (``itl_per_event_ms``) ITL: count, mean, std and the q-th percentiles (0..100, numpy's linear method)."""
-    qs = sorted({float(q) for q in (0, 100, *qs)})
-    cells, scope_cells = _cells(scopes, events.rows)
-    n_cells = int(cells.max()) + 1 if cells.size and cells.max() >= 0 else 0
-    cells[cells < 0] = n_cells  # records in no scope: a cell of their own, never read
-    scan = _Scan(events, cells, n_cells)
-    out: list[dict[str, Pooled]] = [{} for _ in scopes]
-    # The two metrics' scans side by side (numpy's element-wise loops run without the GIL).
-    scans = [functools.partial(scan.figures, metric == "itl_ms", scope_cells, qs) for metric in ITL_METRICS]
-    for metric, figures in zip(ITL_METRICS, side_by_side(scans), strict=True):
-        for i, f in enumerate(figures):
-            out[i][metric] = f
-    return out
+    """``scan_events``' figures over events whose chunks were kept (``RunEvents.of_batches``)."""
+    return scan_events(EventSource.of(events.chunks), scopes, qs, known=events).figures
 
 
 def _cells(scopes: Sequence[np.ndarray], rows: int) -> tuple[np.ndarray, list[list[int]]]:
@@ -234,173 +384,178 @@ def _cells(scopes: Sequence[np.ndarray], rows: int) -> tuple[np.ndarray, list[li
     return cells, scope_cells
 
 
+@dataclass
+class _Step:
+    """What a pass takes of a metric: each cell's histogram (``counting``), the events in the buckets
+    ``lut`` marks, each cell's first and second moments about ``centre``."""
+
+    counting: bool = True
+    lut: np.ndarray | None = None
+    centre: np.ndarray | None = None
+
+
+@dataclass
+class _Part:
+    """What a pass took of one batch: its histogram's buckets from ``first`` on, moments, gathered events."""
+
+    first: int = 0
+    hist: np.ndarray | None = None
+    s1: np.ndarray | None = None
+    s2: np.ndarray | None = None
+    gathered: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray] | None = None
+
+
+class _Passed:
+    """A pass's sums over its batches (per metric): the histogram, moments about ``centre``, gathered events
+    (values, weights, cells, buckets)."""
+
+    def __init__(self, nc: int, counting: bool):
+        self.nc = nc
+        self.hist = np.zeros(_BUCKETS * nc) if counting else None
+        self.s1, self.s2, self.centre = np.zeros(nc), np.zeros(nc), np.zeros(nc)
+        self.count: np.ndarray | None = None
+        self.gathered: list[tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]] = []
+
+    def add(self, part: _Part) -> None:
+        if part.hist is not None:
+            self.hist[part.first : part.first + part.hist.size] += part.hist
+        if part.s1 is not None:
+            self.s1 += part.s1
+            self.s2 += part.s2
+        if part.gathered is not None:
+            self.gathered.append(part.gathered)
+
+    def histogram(self) -> np.ndarray:
+        """Per cell (rows), its count in each bucket."""
+        return self.hist.reshape(_BUCKETS, self.nc).T
+
+    def shift(self) -> np.ndarray:  # each cell's mean's distance from the centre
+        return self.s1 / np.maximum(self.count, 1)
+
+    def m2(self) -> np.ndarray:  # each cell's sum of squared deviations from its mean
+        return self.s2 - self.s1 * self.shift()
+
+    def mean(self) -> np.ndarray:
+        return self.centre + self.shift()
+
+
 class _Scan:
-    """The passes over the events' chunks, in buffers reused from chunk to chunk (on a VM a fresh gigabyte
-    costs ~1 s of page faults: a pass allocates nothing per event)."""
+    """A scan's cells and, once the events are read, each cell's counts and sums; ``parts`` takes a batch's
+    share of a pass in buffers reused from batch to batch (on a VM a fresh gigabyte costs ~1 s of page
+    faults: a pass allocates nothing per event)."""
 
-    def __init__(self, events: RunEvents, cells: np.ndarray, n_cells: int):
-        self.chunks = [c for c in events.chunks if c.gaps.size]
-        self.cells, self.n_cells = cells, n_cells
-        self.size = max((c.gaps.size for c in self.chunks), default=0)
-        self.one_pass = {False: False, True: False}  # per metric (weighted: per token), how it went
-        narrow = np.int8 if n_cells < 127 else np.int32
-        self.event_cells = [
-            np.repeat(cells[c.row0 : c.row0 + c.rows].astype(narrow), c.later) for c in self.chunks
-        ]
-        # Bounds of every value (per token: gap / tokens lies between gap / most tokens and gap).
-        self.gap_min = min((float(c.gaps.min()) for c in self.chunks), default=0.0)
-        self.gap_max = max((float(c.gaps.max()) for c in self.chunks), default=0.0)
-        self.tok_max = max((int(c.tok.max()) for c in self.chunks), default=1)
-        self.total = np.bincount(cells, weights=events.gap_sum, minlength=n_cells + 1)
+    def __init__(self, cells: np.ndarray, n_cells: int):
+        self.cells, self.n_cells, self.nc = cells, n_cells, n_cells + 1
+        self.narrow = np.int8 if n_cells < 127 else np.int32
+        self.count: dict[bool, np.ndarray] = {}
+        self.squares: dict[bool, np.ndarray] = {}
+        self.total = np.zeros(self.nc)
+
+    def sums(self, events: RunEvents) -> None:
+        """Per cell, from the records' sums: the events' and tokens' counts, the gaps' sum and squares."""
+        minlength = self.nc
+        self.total = np.bincount(self.cells, weights=events.gap_sum, minlength=minlength)
         self.squares = {
-            False: np.bincount(cells, weights=events.gap_squares, minlength=n_cells + 1),
-            True: np.bincount(cells, weights=events.gap_squares_per_token, minlength=n_cells + 1),
+            False: np.bincount(self.cells, weights=events.gap_squares, minlength=minlength),
+            True: np.bincount(self.cells, weights=events.gap_squares_per_token, minlength=minlength),
         }
-        # Per record: its later events' count and tokens (the per-event and per-token counts), per cell.
-        later = events.later
+        later_tokens = np.nan_to_num(events.token_sum - events.first_tokens)
         self.count = {
-            False: np.bincount(cells, weights=later, minlength=n_cells + 1),
-            True: np.bincount(
-                cells, weights=np.nan_to_num(events.token_sum - events.first_tokens), minlength=n_cells + 1
-            ),
+            False: np.bincount(self.cells, weights=events.later, minlength=minlength),
+            True: np.bincount(self.cells, weights=later_tokens, minlength=minlength),
         }
 
-    def buffers(self) -> _Buffers:
-        """A pass's buffers: one set per thread, reused from chunk to chunk."""
-        return _Buffers(self.size)
-
-    def chunk(
-        self, i: int, weighted: bool, bufs: _Buffers
-    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """Chunk ``i``'s values (per token: gap / tokens), weights and each event's cell, in ``bufs``."""
-        c = self.chunks[i]
-        n = c.gaps.size
-        cell = bufs.cell[:n]
-        cell[:] = self.event_cells[i]
+    def values(self, c: _Chunk, weighted: bool, bufs: _Buffers) -> tuple[np.ndarray, np.ndarray | None]:
+        """A chunk's values (per token: gap / tokens) and weights."""
         if not weighted:
-            return c.gaps, None, cell
-        value = bufs.value[:n]
-        np.divide(c.gaps, c.tok, out=value)
-        return value, c.tok, cell
+            return c.gaps, None
+        return np.divide(c.gaps, c.tok, out=bufs.value[: c.gaps.size]), c.tok
 
-    def figures(self, weighted: bool, scope_cells: list[list[int]], qs: list[float]) -> list[Pooled]:
-        n_cells = self.n_cells
-        empty = [Pooled(0, None, None, {}) for _ in scope_cells]
-        if n_cells == 0 or not self.chunks:
-            return empty
-        low = self.gap_min / self.tok_max if weighted and self.gap_min > 0 else self.gap_min
-        lo_key = max(int(np.float64(low).view(np.int64)), _TINY_KEY) if low > 0 else _TINY_KEY
-        hi_key = max(int(np.float64(self.gap_max).view(np.int64)), _TINY_KEY)
-        shift = _SHIFT
-        while (hi_key >> shift) - (lo_key >> shift) + 1 > _MAX_BUCKETS:
-            shift += 1
-        buckets = _Buckets(shift, lo_key >> shift, (hi_key >> shift) - (lo_key >> shift) + 1)
-        count = self.count[weighted]
-        chunks = list(range(len(self.chunks)))
-        answer = None
-        if len(chunks) >= _PILOT_MIN:
-            # One pass: a pilot of every few chunks says where each wanted order statistic will lie, and the
-            # pass gathers those buckets (with a margin) as it counts; the moments come from each record's
-            # sums (RunEvents). The answer stands if every statistic fell in a gathered bucket and the
-            # moments kept their precision.
-            pilot = self._pass(chunks[:: len(chunks) // _PILOT_CHUNKS], weighted, buckets)
-            lut = self._predicted(pilot.hist, scope_cells, qs, count, buckets)
-            scan = self._pass(chunks, weighted, buckets, lut=lut)
-            scan.s1, scan.s2 = self.total, self.squares[weighted]
-            answer = self._answer(scan, lut, count, np.zeros(n_cells + 1), scope_cells, qs, buckets, weighted)
-        self.one_pass[weighted] = answer is not None
-        if answer is None:  # two passes: the counts, then exactly the wanted buckets about exact means
-            scan = self._pass(chunks, weighted, buckets)
-            mean = np.divide(self.total, count, out=np.zeros(n_cells + 1), where=count > 0)
-            lut = self._wanted(scan.hist, scope_cells, qs, count, buckets)
-            second = self._pass(chunks, weighted, buckets, lut=lut, centre=mean, counting=False)
-            second.hist = scan.hist
-            answer = self._answer(second, lut, count, mean, scope_cells, qs, buckets, weighted, exact=True)
-        return answer
+    def event_cells(self, c: _Chunk) -> np.ndarray:
+        return np.repeat(self.cells[c.row0 : c.row0 + c.rows].astype(self.narrow), c.later)
 
-    def _pass(self, chunks, weighted, buckets, lut=None, centre=None, counting=True) -> _Passed:
-        """One pass over ``chunks``: each cell's histogram (``counting``), the events in the buckets ``lut``
-        marks, and (``centre``) each cell's first and second moments about it."""
-        n_cells, slots = self.n_cells, (self.n_cells + 1) * buckets.n
-        out = _Passed(np.zeros(slots) if counting else None, np.zeros(n_cells + 1), np.zeros(n_cells + 1))
-        bufs = self.buffers()
-        for i in chunks:
-            c = self.chunks[i]
-            value, weight, cell = self.chunk(i, weighted, bufs)
-            index = buckets(value, cell, bufs.index[: value.size])
-            if counting:
-                out.hist += np.bincount(index, weights=weight, minlength=slots)
-            if centre is not None:  # moments about the cells' means
+    def parts(self, c: _Chunk, plan: dict[bool, _Step]) -> dict[bool, _Part]:
+        """A batch's share of a pass (in a worker thread)."""
+        n = c.gaps.size
+        if not n:
+            return {}
+        bufs = _buffers(n)
+        cell = self.event_cells(c)
+        out = {}
+        for weighted, step in plan.items():
+            part = out[weighted] = _Part()
+            value, weight = self.values(c, weighted, bufs)
+            index = bufs.index[:n]
+            np.right_shift(value.view(np.int64), _SHIFT, out=index)
+            np.clip(index, _LO, _HI, out=index)
+            index -= _LO
+            index *= self.nc
+            index += cell
+            if step.counting:  # counts over the buckets this batch spans only
+                part.first, last = int(index.min()), int(index.max())
+                index -= part.first
+                part.hist = np.bincount(index, weights=weight, minlength=last - part.first + 1)
+                index += part.first
+            if step.centre is not None:  # moments about the cells' centres, per record then per cell
                 rows = self.cells[c.row0 : c.row0 + c.rows][c.with_later]
-                d = bufs.scratch[: value.size]
-                np.take(centre, cell, out=d)
+                d = bufs.scratch[:n]
+                np.take(step.centre, cell, out=d)
                 np.subtract(value, d, out=d)
-                w_d = d if weight is None else np.multiply(d, weight, out=bufs.value2[: value.size])
-                out.s1 += np.bincount(rows, weights=np.add.reduceat(w_d, c.starts), minlength=n_cells + 1)
+                w_d = d if weight is None else np.multiply(d, weight, out=bufs.value2[:n])
+                part.s1 = np.bincount(rows, weights=np.add.reduceat(w_d, c.starts), minlength=self.nc)
                 np.multiply(w_d, d, out=d)
-                out.s2 += np.bincount(rows, weights=np.add.reduceat(d, c.starts), minlength=n_cells + 1)
-            if lut is not None:
-                take = np.flatnonzero(lut[index])
+                part.s2 = np.bincount(rows, weights=np.add.reduceat(d, c.starts), minlength=self.nc)
+            if step.lut is not None:
+                take = np.flatnonzero(step.lut[index])
                 if take.size:
-                    out.values.append(value[take])
-                    out.weights.append(None if weight is None else weight[take])
-                    out.cells.append(cell[take])
-                    out.buckets.append(index[take] - cell[take] * buckets.n)
-        if counting:
-            out.hist = out.hist.reshape(n_cells + 1, buckets.n)
+                    at = index[take]
+                    part.gathered = (
+                        value[take],
+                        None if weight is None else weight[take],
+                        cell[take].astype(np.int64),
+                        at // self.nc,
+                    )
         return out
 
-    def _wanted(self, hist, scope_cells, qs, count, buckets) -> np.ndarray:
+    def wanted(self, wants: list[_Target | None]) -> np.ndarray:
         """The buckets (per cell) that hold a wanted order statistic of a scope."""
-        lut = np.zeros((self.n_cells + 1) * buckets.n, dtype=bool)
-        for want in _targets(hist, scope_cells, qs, count):
+        lut = np.zeros(_BUCKETS * self.nc, dtype=bool)
+        grid = lut.reshape(_BUCKETS, self.nc)
+        for want in wants:
             if want is not None:
                 for b in np.unique(want.at).tolist():
-                    lut[np.array(want.cells) * buckets.n + b] = True
+                    grid[b, want.cells] = True
         return lut
 
-    def _predicted(self, pilot_hist, scope_cells, qs, count, buckets) -> np.ndarray:
+    def predicted(self, pilot_hist: np.ndarray, scope_cells: list[list[int]], qs: list[float]) -> np.ndarray:
         """The buckets where a pilot's histogram says each wanted order statistic lies, with a margin of
         six standard errors of a quantile's rank plus 0.1 % of the ranks either side."""
-        lut = np.zeros((self.n_cells + 1) * buckets.n, dtype=bool)
+        lut = np.zeros(_BUCKETS * self.nc, dtype=bool)
+        grid = lut.reshape(_BUCKETS, self.nc)
         for mine in scope_cells:
-            n = float(count[mine].sum()) if mine else 0.0
             cum = np.cumsum(pilot_hist[mine].sum(axis=0)) if mine else np.zeros(1)
-            if n == 0 or cum[-1] == 0:
+            if cum[-1] == 0:
                 continue
             p = np.array(qs) / 100
             margin = 6 * np.sqrt(p * (1 - p) / cum[-1]) + 0.001
             first = np.searchsorted(cum, np.clip(p - margin, 0, 1) * cum[-1], side="right")
             first[p - margin <= 0] = 0  # the minimum may lie below anything the pilot saw: every bucket up
             last = np.searchsorted(cum, np.clip(p + margin, 0, 1) * cum[-1], side="right")
-            last[p + margin >= 1] = buckets.n - 1  # and the maximum above it
-            for a, b in zip(first.tolist(), np.minimum(last, buckets.n - 1).tolist(), strict=True):
-                for cell in mine:
-                    lut[cell * buckets.n + a : cell * buckets.n + b + 1] = True
+            last[p + margin >= 1] = _BUCKETS - 1  # and the maximum above it
+            for a, b in zip(first.tolist(), np.minimum(last, _BUCKETS - 1).tolist(), strict=True):
+                grid[a : b + 1, mine] = True
         return lut
 
-    def _answer(
-        self, scan, lut, count, centre, scope_cells, qs, buckets, weighted, exact=False
-    ) -> list[Pooled] | None:
-        """Every scope's figures from a pass that gathered ``lut``'s buckets; None when a wanted order
-        statistic lies outside them or the moments lost their precision (the pilot misled), unless
-        ``exact`` (the moments are about the exact means and the buckets are the wanted ones)."""
-        wants = _targets(scan.hist, scope_cells, qs, count)
-        for want in wants:
-            if want is not None and not all(
-                lut[cell * buckets.n + b] for b in np.unique(want.at).tolist() for cell in want.cells
-            ):
-                return None
-        safe = np.maximum(count, 1)
-        shift = scan.s1 / safe  # the mean's distance from the centre
-        m2 = scan.s2 - scan.s1 * shift
-        if not exact and np.any((count > 0) & (scan.s2 > _PRECISION * np.maximum(m2, 0))):
-            return None
-        mean = centre + shift
-        gv = np.concatenate(scan.values) if scan.values else np.empty(0)
-        gw = np.concatenate(scan.weights) if weighted and scan.weights else None
-        gc = np.concatenate(scan.cells) if scan.cells else np.empty(0, dtype=np.int64)
-        gb = np.concatenate(scan.buckets) if scan.buckets else np.empty(0, dtype=np.int64)
+    def answer(self, passed, wants, scope_cells, qs, weighted, chunks) -> list[Pooled]:
+        """Every scope's figures from a pass that gathered the buckets of every wanted order statistic."""
+        count = self.count[weighted]
+        passed.count = count
+        mean, m2 = passed.mean(), np.maximum(passed.m2(), 0)
+        g = passed.gathered
+        gv = np.concatenate([x[0] for x in g]) if g else np.empty(0)
+        gw = np.concatenate([x[1] for x in g]) if weighted and g else None
+        gc = np.concatenate([x[2] for x in g]) if g else np.empty(0, dtype=np.int64)
+        gb = np.concatenate([x[3] for x in g]) if g else np.empty(0, dtype=np.int64)
         out = []
         for mine, want in zip(scope_cells, wants, strict=True):
             if want is None:
@@ -417,28 +572,10 @@ class _Scan:
             lows = np.array([found[k] for k in want.lo.tolist()])
             highs = np.array([found[k] for k in want.hi.tolist()])
             known = dict(zip(qs, lerp(lows, highs, want.gamma).tolist(), strict=True))
-            _, mean_all, var = _combined(count[mine], mean[mine], np.maximum(m2[mine], 0))
-            out.append(Pooled(want.n, mean_all, math.sqrt(var), known, _Drawer(self, weighted, mine)))
+            _, mean_all, var = _combined(count[mine], mean[mine], m2[mine])
+            drawer = None if chunks is None else _Drawer(self, chunks, weighted, mine)
+            out.append(Pooled(want.n, mean_all, math.sqrt(var), known, drawer))
         return out
-
-
-# The one-pass scan: a pilot of about this many chunks, for scans of at least _PILOT_MIN chunks.
-_PILOT_CHUNKS = 8
-_PILOT_MIN = 16
-# Moments about a pilot's mean are kept when the sum of squares is at most this many times the second
-# moment about the mean (a cancellation of at most 4 of the 16 digits); else the exact two passes.
-_PRECISION = 1e4
-
-
-@dataclass
-class _Passed:
-    hist: Any
-    s1: np.ndarray
-    s2: np.ndarray
-    values: list = field(default_factory=list)
-    weights: list = field(default_factory=list)
-    cells: list = field(default_factory=list)
-    buckets: list = field(default_factory=list)
 
 
 @dataclass
@@ -472,25 +609,22 @@ def _targets(hist, scope_cells, qs, count) -> list[_Target | None]:
 
 class _Buffers:
     def __init__(self, size: int):
+        self.size = size
         self.value = np.empty(size)
         self.value2 = np.empty(size)
         self.scratch = np.empty(size)
         self.index = np.empty(size, dtype=np.int64)
-        self.cell = np.empty(size, dtype=np.int64)
 
 
-class _Buckets:
-    """Each value's level-1 bucket within its cell's row of the histogram."""
+_thread_buffers = threading.local()
 
-    def __init__(self, shift: int, lo: int, n: int):
-        self.shift, self.lo, self.n, self.hi = np.int64(shift), np.int64(lo), int(n), np.int64(lo + n - 1)
 
-    def __call__(self, value: np.ndarray, cell: np.ndarray, out: np.ndarray) -> np.ndarray:
-        np.right_shift(value.view(np.int64), self.shift, out=out)
-        np.clip(out, self.lo, self.hi, out=out)
-        out -= self.lo
-        out += cell * self.n
-        return out
+def _buffers(size: int) -> _Buffers:
+    """This thread's buffers, at least ``size`` long (reused from batch to batch)."""
+    bufs = getattr(_thread_buffers, "bufs", None)
+    if bufs is None or bufs.size < size:
+        bufs = _thread_buffers.bufs = _Buffers(size)
+    return bufs
 
 
 def _combined(count: np.ndarray, mean: np.ndarray, m2: np.ndarray) -> tuple[float, float, float]:
@@ -544,14 +678,15 @@ def weighted_kth(values: np.ndarray, weights: np.ndarray | None, ranks: np.ndarr
 
 class _Drawer:
     """A uniform draw of a scope's samples for a plot: events drawn uniformly, each kept with a probability
-    proportional to its weight (so tokens are drawn uniformly), seeded."""
+    proportional to its weight (so tokens are drawn uniformly), seeded. Over the kept chunks."""
 
-    def __init__(self, scan: _Scan, weighted: bool, mine: list[int]):
+    def __init__(self, scan: _Scan, chunks: list[_Chunk], weighted: bool, mine: list[int]):
         self.scan, self.weighted, self.mine = scan, weighted, mine
+        self.chunks = [c for c in chunks if c.gaps.size]
 
     def __call__(self, n: int) -> np.ndarray:
         rng = np.random.default_rng(0)
-        chunks = self.scan.chunks
+        chunks = self.chunks
         top = max((int(c.tok.max()) for c in chunks), default=1) if self.weighted else 1
         # The scope's events, chunk by chunk (its records' later events).
         mine_rows = np.isin(self.scan.cells, self.mine)
@@ -563,16 +698,16 @@ class _Drawer:
         draws = min(events, int(n * top * events / tokens * 1.2) + 16)
         at = np.sort(rng.integers(0, events, draws)) if draws < events else np.arange(events)
         ends = np.cumsum(sizes)
-        bufs = self.scan.buffers()
+        bufs = _Buffers(max(c.gaps.size for c in chunks))
         picked = []
-        for i, (c, end, size) in enumerate(zip(chunks, ends.tolist(), sizes.tolist(), strict=True)):
+        for c, end, size in zip(chunks, ends.tolist(), sizes.tolist(), strict=True):
             local = at[(at >= end - size) & (at < end)] - (end - size)
             if not local.size:
                 continue
-            value, weight, _ = self.scan.chunk(i, self.weighted, bufs)
+            value, weight = self.scan.values(c, self.weighted, bufs)
             positions = np.flatnonzero(np.repeat(mine_rows[c.row0 : c.row0 + c.rows], c.later))[local]
             if weight is not None and top > 1:
                 positions = positions[rng.random(positions.size) * top < weight[positions]]
-            picked.append(value[positions].copy())
+            picked.append(value[positions])
         drawn = np.concatenate(picked) if picked else np.empty(0)
         return np.sort(rng.permutation(drawn)[:n])

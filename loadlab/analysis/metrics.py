@@ -393,6 +393,57 @@ def _receipt(df, measured, ok, events: RunEvents, info: dict[str, Any] | None) -
     }
 
 
+@dataclasses.dataclass
+class ItlScopes:
+    """The sets of records whose ITL a summary reports, over all records: the run's completed measured
+    requests (name None) and each SLO class's, with every percentile the summary, the report's plots and an
+    SLO objective take of it."""
+
+    names: list[str | None]
+    masks: list[np.ndarray]
+    qs: list[float]
+
+    def named(self, figures: list[dict[str, Pooled]]) -> dict[str | None, dict[str, Pooled]]:
+        """``itl_figures``' (or ``scan_events``') figures of these scopes, by name."""
+        return dict(zip(self.names, figures, strict=True))
+
+    def taken(self, figures: dict[str | None, dict[str, Pooled]] | None) -> bool:
+        """Whether ``figures`` (``RunEvents.figures``) are these scopes' with every percentile wanted."""
+        return (
+            figures is not None
+            and list(figures) == self.names
+            and all(
+                all(q in pooled.known for q in self.qs)
+                for scope in figures.values()
+                for pooled in scope.values()
+                if pooled.count
+            )
+        )
+
+
+def itl_scopes(df: pd.DataFrame, manifest: Manifest | None) -> ItlScopes:
+    """The ITL scopes ``compute_summary(df, manifest)`` reports, for a caller that takes their figures as it
+    reads the events (``itl.scan_events``)."""
+    phase, outcome = strings(df, "phase"), strings(df, "outcome")
+    measured = phase == MEASURE
+    return _itl_scopes(
+        _from_manifest(manifest), measured & (outcome == OK), measured, strings(df, "request_class")
+    )
+
+
+def _itl_scopes(
+    run: _FromManifest, ok: np.ndarray, measured: np.ndarray, request_class: np.ndarray
+) -> ItlScopes:
+    profile_classes = {c["name"]: c for c in run.classes if isinstance(c, dict) and "name" in c}
+    others = sorted(set(request_class[measured & (request_class != None)]) - set(profile_classes))  # noqa: E711
+    class_names = [*profile_classes, *others]
+    qs = {50.0, *map(float, PERCENTILES), 99.9}  # 99.9: the report's plots
+    for slo in [run.slo, *(c.get("slo") for c in profile_classes.values())]:
+        qs.update(float(q) for metric, q, _, _ in slo_objectives(slo)[0] if metric in ITL_METRICS)
+    masks = [ok, *(ok & (request_class == name) for name in class_names)]
+    return ItlScopes([None, *class_names], masks, sorted(qs))
+
+
 def compute_summary(
     df: pd.DataFrame | None,
     manifest: Manifest | None,
@@ -445,20 +496,18 @@ def compute_summary(
     server_queue_col = _numeric(df, "server_queue_ms")
 
     # Per SLO class: its measured records alone (below). The ITL of the run and of every class in one go
-    # over the events (itl_figures), with every percentile an SLO objective or the report asks of it.
+    # over the events, with every percentile an SLO objective or the report asks of it: taken as the events
+    # were read (scan_events, a report's), else here in native threads while the per-request figures are
+    # taken (numpy's loops run without the GIL).
     request_class = strings(df, "request_class")
     profile_classes = {c["name"]: c for c in run.classes if isinstance(c, dict) and "name" in c}
-    others = sorted(set(request_class[measured & (request_class != None)]) - set(profile_classes))  # noqa: E711
-    class_names = [*profile_classes, *others]
-    itl_qs = {50.0, *map(float, PERCENTILES), 99.9}  # 99.9: the report's plots
-    for slo in [run.slo, *(c.get("slo") for c in profile_classes.values())]:
-        itl_qs.update(float(q) for metric, q, _, _ in slo_objectives(slo)[0] if metric in ITL_METRICS)
-    scopes = [ok, *(ok & (request_class == name) for name in class_names)]
-    # In native threads while the per-request figures are taken (numpy's loops run without the GIL).
-    itl_figured = in_background(itl_figures, events, scopes, sorted(itl_qs))
+    scopes = _itl_scopes(run, ok, measured, request_class)
+    class_names = scopes.names[1:]
+    taken = events.figures if scopes.taken(events.figures) else None
+    job = None if taken else in_background(lambda: scopes.named(itl_figures(events, scopes.masks, scopes.qs)))
 
     def itl_of(scope: str | None, metric: str) -> Pooled:
-        return dict(zip([None, *class_names], itl_figured.result(), strict=True))[scope][metric]
+        return (taken or job.result())[scope][metric]
 
     def samples_of(done: np.ndarray, scope: str | None) -> tuple[dict[str, Any], np.ndarray]:
         """The latency samples of the requests ``done`` selects (the run's or class ``scope``'s completed

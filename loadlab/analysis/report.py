@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from loadlab.analysis.html import REPORT_HTML, render_html
-from loadlab.analysis.itl import RunEvents
-from loadlab.analysis.metrics import REPORT_FIELDS, compute_summary, record_events
+from loadlab.analysis.itl import EventSource, scan_events
+from loadlab.analysis.metrics import REPORT_FIELDS, compute_summary, itl_scopes, record_events
 from loadlab.analysis.server_metrics import read_server_metrics
 from loadlab.analysis.summary import (
     ESTIMATED_ROWS,
@@ -32,7 +33,7 @@ from loadlab.records import (
     RECORDS_PARQUET,
     event_batches,
     load_records,
-    side_by_side,
+    row_group_sizes,
 )
 
 __all__ = ["SUMMARY_JSON", "SUMMARY_MD", "render_markdown", "write_report"]
@@ -83,20 +84,23 @@ def _small_pages():
 
 def _write_report(run_dir: Path, source: str | None, html: bool) -> Summary:
     # Arrow lists and categorical text: no Python object per record or per event (a million records).
-    if source == RECORDS_PARQUET:  # the per-event columns a row group at a time, beside the other columns
-        df, events = side_by_side(
-            [
-                lambda: load_records(run_dir, columns=list(REPORT_FIELDS), arrow=True),
-                lambda: RunEvents.of_batches(event_batches(run_dir), keep_times=html),
-            ]
-        )
+    manifest = read_manifest(run_dir)
+    if source == RECORDS_PARQUET:
+        # The per-event columns a row group at a time, the ITL figures taken as they are read (the scopes
+        # come from the other columns); the events kept only for report.html's timeline and plots.
+        df = load_records(run_dir, columns=list(REPORT_FIELDS), arrow=True)
+        scopes = itl_scopes(df, manifest)
+        batches = EventSource(row_group_sizes(run_dir), functools.partial(event_batches, run_dir))
+        scanned = scan_events(batches, scopes.masks, scopes.qs, keep_times=html)
+        events = scanned.events
+        events.figures = scopes.named(scanned.figures)
     else:
         df = load_records(run_dir, arrow=True) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
         events = record_events(df, keep_times=html)  # read once: the summary's samples, the timeline's tokens
     server_rows = read_server_metrics(run_dir)
     samples: dict = {}
     class_samples: dict = {}
-    summary = compute_summary(df, read_manifest(run_dir), server_rows, samples, class_samples, events)
+    summary = compute_summary(df, manifest, server_rows, samples, class_samples, events)
     summary = summary.model_copy(update={"records_source": source})
     markdown = render_markdown(summary)
     summary.write(run_dir)
