@@ -17,7 +17,7 @@ import pytest
 from loadlab.analysis import write_report
 from loadlab.analysis.html import _in_flight_per_second, _median_per_second, _tokens_per_second
 from loadlab.analysis.itl import EventSource, RunEvents, itl_figures, scan_events, weighted_kth
-from loadlab.analysis.metrics import compute_summary, counts_from, in_flight, record_events
+from loadlab.analysis.metrics import compute_summary, counts_from, flight_steps, in_flight, record_events
 from loadlab.analysis.stats import BRACKET_MIN, Events, lists_batch, order_statistics, quantiles
 from loadlab.manifest import Counts, Manifest, TargetInfo, software_versions, write_manifest
 from loadlab.records import (
@@ -445,6 +445,12 @@ def test_in_flight_equals_counting_at_every_moment():
     widths = np.diff(times)
     assert got["mean"] == pytest.approx(float(np.sum(counts * widths)) / (we - ws), rel=1e-12)
     assert (got["min"], got["max"]) == (int(counts.min()), int(counts.max()))
+    # The same sweep says how long more than a cap were in flight (the load-not-locked finding).
+    steps_counts, steps_lengths = flight_steps(s, e, ws, we)
+    for cap in (3, int(counts.max()) - 1, int(counts.max())):
+        above = float(np.sum(steps_lengths[steps_counts > cap]))
+        assert above == pytest.approx(float(np.sum(widths[counts > cap])), rel=1e-12, abs=1e-12)
+    assert float(np.sum(widths[counts > int(counts.max()) - 1])) > 0
 
 
 def test_token_count_sources_counted_with_the_old_records_fallback():

@@ -561,7 +561,9 @@ class _Scan:
             if want is None:
                 out.append(Pooled(0, None, None, {}))
                 continue
-            in_scope = np.isin(gc, mine)
+            member = np.zeros(self.nc, dtype=bool)
+            member[mine] = True
+            in_scope = member[gc]
             found: dict[int, float] = {}
             for b in np.unique(want.at).tolist():
                 sel = in_scope & (gb == b)

@@ -133,9 +133,30 @@ def in_flight(starts: Any, ends: Any, window_start: float, window_end: float) ->
     Each request is in flight over [start, end). Returns the time-weighted mean and the min and max of
     the in-flight count over the parts of the window of positive length. None without a window.
     """
-    none = {"mean": None, "min": None, "max": None}
+    return flight_figures(flight_steps(starts, ends, window_start, window_end), window_start, window_end)
+
+
+def flight_figures(
+    steps: tuple[np.ndarray, np.ndarray] | None, window_start: float, window_end: float
+) -> dict[str, float | None]:
+    """``in_flight``'s figures from its sweep (``flight_steps``)."""
+    if steps is None:
+        return {"mean": None, "min": None, "max": None}
+    counts, lengths = steps
+    return {
+        "mean": float(np.sum(counts * lengths) / (window_end - window_start)),
+        "min": int(np.min(counts)),
+        "max": int(np.max(counts)),
+    }
+
+
+def flight_steps(
+    starts: Any, ends: Any, window_start: float, window_end: float
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The requests in flight over each part of [window_start, window_end] of positive length between two
+    starts or ends, and each part's length (``in_flight``'s sweep; None without a window or parts)."""
     if not (_finite(window_start) and _finite(window_end)) or window_end <= window_start:
-        return none
+        return None
     s = np.asarray(starts, dtype=float).ravel()
     e = np.asarray(ends, dtype=float).ravel()
     ok = np.isfinite(s) & np.isfinite(e)
@@ -143,8 +164,9 @@ def in_flight(starts: Any, ends: Any, window_start: float, window_end: float) ->
     e = np.minimum(e[ok], window_end)
     keep = e > s
     s, e = np.sort(s[keep]), np.sort(e[keep])
-    # Ends first, so that a stable sort puts an end before a start at the same time; the two sorted runs
-    # merge in one linear pass (a stable sort finds the runs): a million requests in ~0.1 s, not a lexsort.
+    # Ends first, so that a stable sort puts an end before a start at the same time (back to back is not
+    # overlap); the two sorted runs merge in one linear pass (a stable sort finds the runs): a million
+    # requests in ~0.1 s, not a lexsort.
     times = np.concatenate([[window_start], e, s, [window_end]])
     deltas = np.concatenate([[0.0], -np.ones(e.size), np.ones(s.size), [0.0]])
     order = np.argsort(times, kind="stable")
@@ -152,14 +174,9 @@ def in_flight(starts: Any, ends: Any, window_start: float, window_end: float) ->
     counts = np.cumsum(deltas)[:-1]  # the count over [times[k], times[k+1])
     lengths = np.diff(times)
     positive = lengths > 0
-    counts, lengths = counts[positive], lengths[positive]
-    if counts.size == 0:
-        return none
-    return {
-        "mean": float(np.sum(counts * lengths) / (window_end - window_start)),
-        "min": int(np.min(counts)),
-        "max": int(np.max(counts)),
-    }
+    if not positive.any():
+        return None
+    return counts[positive], lengths[positive]
 
 
 def _finite(x: Any) -> bool:
@@ -450,7 +467,7 @@ def compute_summary(
     server_rows: list[dict[str, Any]] | None = None,
     samples_out: dict[str, np.ndarray] | None = None,
     class_samples_out: dict[str, dict[str, np.ndarray]] | None = None,
-    events: RunEvents | None = None,
+    events: RunEvents | Any = None,
 ) -> Summary:
     """The run summary from its records (a DataFrame as ``load_records`` returns) and manifest.
 
@@ -458,7 +475,8 @@ def compute_summary(
     completed, total_input_tokens, ..., mean_ttft_ms, p99_itl_ms, median_e2e_latency_ms, concurrency);
     the rest are documented in docs/metrics.md and typed in ``Summary`` (summary.py). ``samples_out`` and
     ``class_samples_out`` (class name -> its samples) receive the per-request samples behind the figures,
-    for the plots. ``events``: ``record_events(df)``, when the caller has it already.
+    for the plots. ``events``: ``record_events(df)``, when the caller has it already, or a future of them
+    (``.result()``): the figures that need no events are taken while the caller's reading goes on.
     """
     run = _from_manifest(manifest)
     if df is None:
@@ -481,8 +499,57 @@ def compute_summary(
     input_len = _numeric(df, "input_len")
     max_new_tokens = _numeric(df, "max_new_tokens")
     exact = _bools(df, "tokens_per_event_exact", True)
+    # The figures that need no events first: a caller still reading them (a report's scan, in a native
+    # thread) goes on meanwhile.
+    scheduled_col = _numeric(df, "t_scheduled_wall")
+    server_rows = server_rows or []
+    margin = scrape_interval(server_rows)  # scrapes one interval either side of the window belong to it
+
+    # The measured window: first measured send to last measured end, any outcome.
+    end_wall = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
+    m_send = t_send[measured & np.isfinite(t_send)]
+    m_end = end_wall[measured & np.isfinite(t_send)]
+    if m_send.size:
+        window_start, window_end = float(np.min(m_send)), float(np.max(m_end))
+        duration = window_end - window_start
+    else:
+        window_start = window_end = None
+        duration = None
+    has_duration = duration is not None and duration > 0
+
+    # Cached-token ratio over completed requests reporting both counts.
+    both = ok & np.isfinite(cached_tokens) & np.isfinite(prompt_tokens)
+    cached_reported = int(both.sum())
+    prompt_sum = float(np.sum(prompt_tokens[both]))
+    cached_ratio = (
+        float(np.sum(cached_tokens[both]) / prompt_sum) if cached_reported and prompt_sum > 0 else None
+    )
+
+    # In flight: all records' intervals (warm-up and failures are real load) over the measured window; how
+    # long more than the configured concurrency were (a load not locked).
+    steps = flight_steps(t_send, end_wall, window_start, window_end) if has_duration else None
+    flight = flight_figures(steps, window_start, window_end)
+    cap = run.max_concurrency
+    above_cap = float(np.sum(steps[1][steps[0] > cap])) if steps is not None and cap is not None else 0.0
+    # The workload's own bound on the cache hits, over the requests the server's ratio is taken over (all
+    # completed ones when the server reported none).
+    prompt_each = np.where(
+        np.isfinite(prompt_tokens), prompt_tokens, input_len
+    )  # the server's, else intended
+    shared = verdicts.reusable_prefix(run.profile, _numeric(df, "index"))
+    over = both if cached_reported else ok
+    over_prompts = prompt_each[over]
+    expected_cached_ratio = (
+        float(np.nansum(shared[over]) / np.nansum(over_prompts))
+        if shared is not None and over.any() and np.nansum(over_prompts) > 0
+        else None
+    )
+
+    overload = verdicts.overload(scheduled_col, t_send, ttft, prompt_each, measured, ok, t_send, end_wall)
     if events is None:  # every record's token-carrying events, flat
         events = record_events(df)
+    elif not isinstance(events, RunEvents):  # still being read
+        events = events.result()
 
     # Failures by kind.
     failures: dict[str, int] = {}
@@ -492,7 +559,6 @@ def compute_summary(
     failures = dict(sorted(failures.items()))
 
     # Per-request samples of the completed (ok, measured) requests.
-    scheduled_col = _numeric(df, "t_scheduled_wall")
     server_queue_col = _numeric(df, "server_queue_ms")
 
     # Per SLO class: its measured records alone (below). The ITL of the run and of every class in one go
@@ -544,21 +610,6 @@ def compute_summary(
     with np.errstate(divide="ignore", invalid="ignore"):
         tpot_each = np.where(out_tokens_resolved > 1, (e2e - ttft) / (out_tokens_resolved - 1), np.nan)
 
-    server_rows = server_rows or []
-    margin = scrape_interval(server_rows)  # scrapes one interval either side of the window belong to it
-
-    # The measured window: first measured send to last measured end, any outcome.
-    end_wall = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
-    m_send = t_send[measured & np.isfinite(t_send)]
-    m_end = end_wall[measured & np.isfinite(t_send)]
-    if m_send.size:
-        window_start, window_end = float(np.min(m_send)), float(np.max(m_end))
-        duration = window_end - window_start
-    else:
-        window_start = window_end = None
-        duration = None
-    has_duration = duration is not None and duration > 0
-
     # Token totals over completed requests.
     completed = int(ok.sum())
     input_known = np.isfinite(prompt_tokens[ok])
@@ -567,20 +618,6 @@ def compute_summary(
     total_input = int(np.nansum(input_vals)) if completed else 0
     total_output = int(np.nansum(out_tokens_resolved[ok])) if completed else 0
 
-    # Cached-token ratio over completed requests reporting both counts.
-    both = ok & np.isfinite(cached_tokens) & np.isfinite(prompt_tokens)
-    cached_reported = int(both.sum())
-    prompt_sum = float(np.sum(prompt_tokens[both]))
-    cached_ratio = (
-        float(np.sum(cached_tokens[both]) / prompt_sum) if cached_reported and prompt_sum > 0 else None
-    )
-
-    # In flight: all records' intervals (warm-up and failures are real load) over the measured window.
-    flight = (
-        in_flight(t_send, end_wall, window_start, window_end)
-        if has_duration
-        else {"mean": None, "min": None, "max": None}
-    )
     e2e_ok_s = e2e[ok]
     e2e_ok_s = e2e_ok_s[np.isfinite(e2e_ok_s)] / 1000.0
 
@@ -720,19 +757,7 @@ def compute_summary(
 
     summary.update(goodput_of(run.slo, measured))
 
-    # The workload's own bound on the cache hits, over the requests the server's ratio is taken over (all
-    # completed ones when the server reported none).
-    prompt_each = np.where(
-        np.isfinite(prompt_tokens), prompt_tokens, input_len
-    )  # the server's, else intended
-    shared = verdicts.reusable_prefix(run.profile, _numeric(df, "index"))
-    over = both if cached_reported else ok
-    over_prompts = prompt_each[over]
-    summary["expected_cached_token_ratio"] = (
-        float(np.nansum(shared[over]) / np.nansum(over_prompts))
-        if shared is not None and over.any() and np.nansum(over_prompts) > 0
-        else None
-    )
+    summary["expected_cached_token_ratio"] = expected_cached_ratio
 
     # Per SLO class: its measured records alone, the same definitions, its own SLO.
     summary["classes"] = []
@@ -787,9 +812,7 @@ def compute_summary(
             summary[key] = None if any(v is None for v in parts) else float(sum(parts))
 
     # The overload verdict (open loop) and the pitfalls the data shows.
-    summary["overload"] = verdicts.overload(
-        scheduled_col, t_send, ttft, prompt_each, measured, ok, t_send, end_wall
-    )
+    summary["overload"] = overload
     closed = run.load_kind == "closed"
     # A conversation's users think between turns (fewer in flight than users, by design), and its cache hits
     # rise along each session: the pitfalls below judge its first turns only, and its concurrency by them.
@@ -799,11 +822,6 @@ def compute_summary(
     if retractions is None:  # no /metrics (a virtual run): the records' own counts
         counts = _numeric(df, "num_retractions")[measured]
         retractions = float(np.nansum(counts)) if np.isfinite(counts).any() else None
-    above_cap = (
-        verdicts.time_above(t_send, end_wall, run.max_concurrency, window_start, window_end)
-        if run.max_concurrency is not None and has_duration
-        else 0.0
-    )
     refused = verdicts.refused_for_size(_numeric(df, "http_status"), strings(df, "error"), not_ok)
     peak_usage = server.get("peak_token_usage")
     findings = [

@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from loadlab.analysis.html import REPORT_HTML, render_html
-from loadlab.analysis.itl import EventSource, scan_events
+from loadlab.analysis.itl import EventSource, RunEvents, scan_events
 from loadlab.analysis.metrics import REPORT_FIELDS, compute_summary, itl_scopes, record_events
 from loadlab.analysis.server_metrics import read_server_metrics
 from loadlab.analysis.summary import (
@@ -32,6 +32,7 @@ from loadlab.records import (
     RECORDS_JSONL,
     RECORDS_PARQUET,
     event_batches,
+    in_background,
     load_records,
     row_group_sizes,
 )
@@ -91,9 +92,13 @@ def _write_report(run_dir: Path, source: str | None, html: bool) -> Summary:
         df = load_records(run_dir, columns=list(REPORT_FIELDS), arrow=True)
         scopes = itl_scopes(df, manifest)
         batches = EventSource(row_group_sizes(run_dir), functools.partial(event_batches, run_dir))
-        scanned = scan_events(batches, scopes.masks, scopes.qs, keep_times=html)
-        events = scanned.events
-        events.figures = scopes.named(scanned.figures)
+
+        def scanned() -> RunEvents:
+            done = scan_events(batches, scopes.masks, scopes.qs, keep_times=html)
+            done.events.figures = scopes.named(done.figures)
+            return done.events
+
+        events = in_background(scanned)  # compute_summary takes what needs no events meanwhile
     else:
         df = load_records(run_dir, arrow=True) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
         events = record_events(df, keep_times=html)  # read once: the summary's samples, the timeline's tokens
@@ -106,6 +111,7 @@ def _write_report(run_dir: Path, source: str | None, html: bool) -> Summary:
     summary.write(run_dir)
     write_atomic(run_dir / SUMMARY_MD, markdown)
     if html:  # plots take about a second
+        events = events if isinstance(events, RunEvents) else events.result()
         write_atomic(
             run_dir / REPORT_HTML,
             render_html(summary, samples, df, server_rows, markdown, class_samples, events),

@@ -301,18 +301,6 @@ def warmup_finding(
     }
 
 
-def time_above(starts: np.ndarray, ends: np.ndarray, cap: int, a: float, b: float) -> float:
-    """How long more than ``cap`` of the intervals [start, end) were in flight at once within [a, b] (s)."""
-    keep = np.isfinite(starts) & np.isfinite(ends)
-    s, e = np.maximum(starts[keep], a), np.minimum(ends[keep], b)
-    s, e = s[e > s], e[e > s]
-    times = np.concatenate([s, e])
-    deltas = np.concatenate([np.ones(s.size), -np.ones(e.size)])
-    order = np.lexsort((deltas, times))  # at equal times ends before starts: back to back is not overlap
-    times, counts = times[order], np.cumsum(deltas[order])
-    return float(np.sum(np.diff(times)[counts[:-1] > cap])) if times.size else 0.0
-
-
 def lock_finding(
     closed: bool, concurrency: int | None, flight: dict[str, Any], above_s: float, window_s: float | None
 ) -> dict[str, Any] | None:
