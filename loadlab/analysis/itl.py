@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from loadlab.analysis.stats import Events, lerp, linear_positions
-from loadlab.records import in_order
+from loadlab.records import in_background, in_order
 
 # A batch of records' per-event columns: receipt times (ms), each record's number of them, tokens per event,
 # each record's number of them (``records.event_batches``).
@@ -62,13 +62,23 @@ class _Chunk:
 
 
 @dataclass
+class _Cleaned:
+    """A batch read and cleaned ahead (the pilot's), with its records' arrays."""
+
+    chunk: _Chunk
+    rows: tuple[np.ndarray, ...] | None  # None: a chunk kept from a reading
+
+
+@dataclass
 class EventSource:
     """Batches of whole records in the run's order that can be read again (a file's row groups, a table's
     batches, chunks kept from a reading): each batch's number of records, and ``read(which)`` giving the
-    batches at the indices ``which`` (None: all) in order."""
+    batches at the indices ``which`` (None: all) in order. ``start_pilot``: the pilot's batches (every few,
+    ``scan_events``) read and cleaned in a native thread while the caller does something else."""
 
     sizes: list[int]
     read: Callable[[Sequence[int] | None], Iterable[Any]]
+    _pilot: Any = None
 
     @classmethod
     def of(cls, batches: Iterable[EventBatch | _Chunk]) -> EventSource:
@@ -78,9 +88,45 @@ class EventSource:
 
     def numbered(self, which: Sequence[int] | None = None) -> Iterator[tuple[int, Any]]:
         """The batches ``which`` selects, each with its first record's place in the run."""
-        row0 = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]).tolist()
+        row0 = self._row0()
         at = range(len(self.sizes)) if which is None else which
         return zip((row0[i] for i in at), self.read(which), strict=True)
+
+    def _row0(self) -> list[int]:
+        return np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]).tolist()
+
+    def pilot_indices(self) -> list[int]:
+        n = len(self.sizes)
+        return list(range(0, n, n // _PILOT_CHUNKS)) if n >= _PILOT_MIN else []
+
+    def start_pilot(self) -> None:
+        self._pilot = in_background(self._read_pilot)
+
+    def pilot(self) -> dict[int, _Cleaned]:
+        """The pilot's batches, cleaned (with their receipt times: a scan that keeps them keeps these)."""
+        if self._pilot is None:
+            self.start_pilot()
+        return self._pilot.result()
+
+    def _read_pilot(self) -> dict[int, _Cleaned]:
+        which = self.pilot_indices()
+        out = {}
+        for i, (row0, batch) in zip(which, self.numbered(which), strict=True):
+            if isinstance(batch, _Chunk):  # kept from a reading: cleaned already
+                out[i] = _Cleaned(batch, None)
+                continue
+            chunk, rows = _cleaned(batch, keep_times=True)
+            chunk.row0 = row0
+            out[i] = _Cleaned(chunk, rows)
+        return out
+
+    def with_pilot(self) -> Iterator[tuple[int, Any]]:
+        """Every batch, each with its first record's place; the pilot's as they were cleaned (not read twice)."""
+        pilot = self.pilot()
+        rest = iter(self.numbered([i for i in range(len(self.sizes)) if i not in pilot]))
+        row0 = self._row0()
+        for i in range(len(self.sizes)):
+            yield (row0[i], pilot[i]) if i in pilot else next(rest)
 
 
 @dataclass
@@ -186,6 +232,8 @@ def _work(numbered: tuple[int, Any], keep_times: bool, scan: _Scan | None, plan:
     row0, batch = numbered
     if isinstance(batch, _Chunk):
         chunk, rows = batch, None
+    elif isinstance(batch, _Cleaned):
+        chunk, rows = batch.chunk, batch.rows
     else:
         chunk, rows = _cleaned(batch, keep_times)
         chunk.row0 = row0
@@ -310,13 +358,13 @@ def scan_events(
     plan = {weighted: _Step() for weighted in metrics.values()} if n_cells else {}
     batches = len(source.sizes)
     if batches >= _PILOT_MIN:  # where each order statistic will lie, from every few batches
-        _, pilot = _read(
-            source.numbered(range(0, batches, batches // _PILOT_CHUNKS)), False, False, scan, plan
-        )
-        plan = {w: _Step(lut=scan.predicted(pilot[w].histogram(), scope_cells, qs)) for w in plan}
+        pilot = source.pilot()
+        _, piloted = _read(((c.chunk.row0, c.chunk) for c in pilot.values()), False, False, scan, plan)
+        plan = {w: _Step(lut=scan.predicted(piloted[w].histogram(), scope_cells, qs)) for w in plan}
     # Few batches: a second pass reads the kept chunks; a source of kept chunks keeps them.
     keep = keep_times or batches < _PILOT_MIN or known is not None
-    events, passed = _read(source.numbered(), keep_times, keep, scan, plan)
+    everything = source.with_pilot() if batches >= _PILOT_MIN else source.numbered()
+    events, passed = _read(everything, keep_times, keep, scan, plan)
     if known is not None:
         events = known
     if events.rows != rows:

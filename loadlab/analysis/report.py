@@ -89,9 +89,10 @@ def _write_report(run_dir: Path, source: str | None, html: bool) -> Summary:
     if source == RECORDS_PARQUET:
         # The per-event columns a row group at a time, the ITL figures taken as they are read (the scopes
         # come from the other columns); the events kept only for report.html's timeline and plots.
+        batches = EventSource(row_group_sizes(run_dir), functools.partial(event_batches, run_dir))
+        batches.start_pilot()  # while the other columns are read
         df = load_records(run_dir, columns=list(REPORT_FIELDS), arrow=True)
         scopes = itl_scopes(df, manifest)
-        batches = EventSource(row_group_sizes(run_dir), functools.partial(event_batches, run_dir))
 
         def scanned() -> RunEvents:
             done = scan_events(batches, scopes.masks, scopes.qs, keep_times=html)

@@ -311,10 +311,12 @@ class Events:
         if tok.dtype.kind == "f":
             tok = np.rint(tok)
             keep = np.isfinite(ms) & np.isfinite(tok) & (tok > 0)
+        elif not ms.size or (math.isfinite(np.add.reduce(ms)) and tok.min() > 0):
+            keep = None  # every event kept (a finite sum: every time finite), checked without a mask
         else:
             keep = np.isfinite(ms) & (tok > 0)
         lengths = ms_lengths
-        if not keep.all():
+        if keep is not None and not keep.all():
             lengths = np.zeros(self.rows, dtype=np.int64)
             has = ms_lengths > 0
             lengths[has] = np.add.reduceat(keep, _starts(ms_lengths)[has], dtype=np.int64)
