@@ -307,7 +307,7 @@ class Pooled:
 # Level-1 buckets: the bits of a float64 from the sign down to 12 bits of mantissa (4096 buckets a binade),
 # over a fixed range, 2^-20 ms to 2^30 ms (values beyond it fall in the end buckets, which the select splits
 # like any other): a pass knows its buckets before its first event. A histogram is bucket-major (a bucket's
-# cells side by side), so a batch's counts cover only the buckets its values span.
+# cells side by side), so a batch's counts stop at its highest value's bucket.
 _SHIFT = 40
 _LO = int(np.float64(2.0**-20).view(np.int64)) >> _SHIFT
 _HI = int(np.float64(2.0**30).view(np.int64)) >> _SHIFT
@@ -444,9 +444,8 @@ class _Step:
 
 @dataclass
 class _Part:
-    """What a pass took of one batch: its histogram's buckets from ``first`` on, moments, gathered events."""
+    """What a pass took of one batch: its histogram (as far as its highest bucket), moments, gathered events."""
 
-    first: int = 0
     hist: np.ndarray | None = None
     s1: np.ndarray | None = None
     s2: np.ndarray | None = None
@@ -466,7 +465,7 @@ class _Passed:
 
     def add(self, part: _Part) -> None:
         if part.hist is not None:
-            self.hist[part.first : part.first + part.hist.size] += part.hist
+            self.hist[: part.hist.size] += part.hist
         if part.s1 is not None:
             self.s1 += part.s1
             self.s2 += part.s2
@@ -539,11 +538,8 @@ class _Scan:
             index -= _LO
             index *= self.nc
             index += cell
-            if step.counting:  # counts over the buckets this batch spans only
-                part.first, last = int(index.min()), int(index.max())
-                index -= part.first
-                part.hist = np.bincount(index, weights=weight, minlength=last - part.first + 1)
-                index += part.first
+            if step.counting:  # counts up to the highest bucket this batch reaches
+                part.hist = np.bincount(index, weights=weight)
             if step.centre is not None:  # moments about the cells' centres, per record then per cell
                 rows = self.cells[c.row0 : c.row0 + c.rows][c.with_later]
                 d = bufs.scratch[:n]
