@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from loadlab.analysis import write_report
-from loadlab.analysis.html import _in_flight_per_second, _median_per_second, _tokens_per_second
+from loadlab.analysis.html import _in_flight_per_second, _median_per_second
 from loadlab.analysis.itl import EventSource, RunEvents, itl_figures, scan_events, weighted_kth
 from loadlab.analysis.metrics import compute_summary, counts_from, flight_steps, in_flight, record_events
 from loadlab.analysis.stats import BRACKET_MIN, Events, lists_batch, order_statistics, quantiles
@@ -304,7 +304,7 @@ def test_the_timeline_helpers_equal_the_per_second_loops():
         keep = np.isfinite(ms[:n]) & (tok[:n] > 0)
         at = ((r.t_send_wall - t0) + ms[:n][keep] / 1000).astype(int)
         np.add.at(tokens, np.clip(at, 0, width - 1), tok[:n][keep])
-    np.testing.assert_array_equal(_tokens_per_second(events, t_send, t0, width), tokens)
+    np.testing.assert_array_equal(events.seconds((t_send, t0, width)), tokens)
 
 
 def test_a_report_of_the_jsonl_alone_equals_the_parquets(tmp_path):
@@ -397,6 +397,45 @@ def test_a_plot_draw_is_uniform_over_the_tokens():
     truth = Events(ms, lengths, tok, lengths).pooled()["itl_per_token"]
     for q in (25, 75):
         assert np.percentile(drawn, q) == pytest.approx(np.percentile(truth, q), rel=0.03)
+
+
+def test_a_big_scans_plot_draws_and_timeline_come_from_what_it_read():
+    """With a pilot (32 batches) the scan keeps no events: each scope's plot draw comes from a sample drawn as
+    it reads (a small class whole, the run at a rate the pilot set) and is uniform over its events or tokens
+    (quartiles within a draw's error of the truth); the tokens per second equal those counted from the kept
+    events."""
+    rng = np.random.default_rng(17)
+    batches = []
+    for b in range(32):
+        lengths = rng.integers(2, 60, 400)
+        ms = np.cumsum(rng.gamma(2, 3 + b / 8, int(lengths.sum())))
+        batches.append((ms, lengths, rng.choice([1, 1, 2, 4], ms.size), lengths))
+    source = EventSource.of(batches)
+    rows = sum(source.sizes)
+    small = np.zeros(rows, dtype=bool)
+    small[rng.choice(rows, 40, replace=False)] = True  # a class of 40 requests: drawn whole
+    scopes = [np.ones(rows, dtype=bool), small]
+    t_send = np.sort(rng.uniform(0, 30, rows))
+    timeline = (t_send, 0.0, 200)
+    scanned = scan_events(source, scopes, [50], timeline)
+    assert scanned.events.chunks == []  # nothing per event kept
+    flat = Events(*(np.concatenate(column) for column in zip(*batches, strict=True)))
+    for metric, key in (("itl_ms", "itl_per_token"), ("itl_per_event_ms", "itl_per_event")):
+        truth = flat.pooled()[key]
+        drawn = scanned.figures[0][metric].draw(20_000)
+        assert drawn.size == 20_000 and np.all(np.diff(drawn) >= 0)
+        assert set(drawn.tolist()) <= set(truth.tolist())
+        for q in (25, 50, 75):
+            assert np.percentile(drawn, q) == pytest.approx(np.percentile(truth, q), rel=0.03)
+        few = flat.pooled(small)[key]
+        drawn_small = scanned.figures[1][metric].draw(20_000)
+        if metric == "itl_per_event_ms":  # the class's every event, once
+            assert np.array_equal(drawn_small, np.sort(few))
+        else:  # events kept in proportion to their tokens
+            assert set(drawn_small.tolist()) <= set(few.tolist()) and drawn_small.size > few.size / 4
+    kept = RunEvents.of_batches(batches, keep_times=True)
+    np.testing.assert_allclose(scanned.events.seconds(timeline), kept.seconds(timeline), rtol=1e-12)
+    assert scanned.events.seconds(timeline).sum() == pytest.approx(flat.tok.sum())
 
 
 def test_records_parquet_stores_receipt_times_plainly():

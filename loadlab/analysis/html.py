@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from loadlab.analysis.itl import Pooled, RunEvents
+from loadlab.analysis.itl import PLOT_SAMPLES, Pooled, RunEvents, Timeline
 from loadlab.analysis.metrics import record_events, strings
 from loadlab.analysis.server_metrics import gauge_series, same_server
 from loadlab.analysis.stats import quantiles
@@ -98,18 +98,6 @@ def _cdfs(samples: dict[str, np.ndarray], itl_label: str = "ITL (per token)"):
     return fig
 
 
-def _tokens_per_second(events: RunEvents, t_send: np.ndarray, t0: float, span: int) -> np.ndarray:
-    """Output tokens received in each second since ``t0``: every record's token-carrying events (kept with
-    their times: ``record_events(df, keep_times=True)``)."""
-    tokens = np.zeros(span)
-    for row0, lengths, ms, tok in events.times():
-        ts = np.repeat(t_send[row0 : row0 + lengths.size] - t0, lengths)
-        sent = np.isfinite(ts)
-        at = ((ts + ms / 1000.0)[sent]).astype(int)
-        tokens += np.bincount(np.clip(at, 0, span - 1), weights=tok[sent], minlength=span)[:span]
-    return tokens
-
-
 def _in_flight_per_second(s: np.ndarray, e: np.ndarray, span: int) -> np.ndarray:
     """The time-weighted number of the intervals [s, e) (seconds since the first send) in flight in each
     second [b, b + 1) of ``span``: each interval adds its part of its first and last second and 1 to every
@@ -144,17 +132,26 @@ def _median_per_second(second: np.ndarray, values: np.ndarray, rows: np.ndarray,
     return out
 
 
+def timeline_of(df: pd.DataFrame) -> Timeline:
+    """The timeline's seconds: each record's send time, the first send (its origin) and the seconds to the
+    last end (at least 1)."""
+    t_send = pd.to_numeric(df["t_send_wall"], errors="coerce").to_numpy(dtype=float)
+    e2e = pd.to_numeric(df["e2e_ms"], errors="coerce").to_numpy(dtype=float)
+    t0 = float(np.nanmin(t_send)) if t_send.size and np.isfinite(t_send).any() else 0.0
+    end = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
+    span = max(1, int(np.ceil(np.nanmax(end) - t0))) if t_send.size and np.isfinite(end).any() else 1
+    return t_send, t0, span
+
+
 def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]], events: RunEvents | None = None):
     import matplotlib.pyplot as plt
 
-    t_send = pd.to_numeric(df["t_send_wall"], errors="coerce").to_numpy(dtype=float)
+    t_send, t0, span = timeline = timeline_of(df)
     e2e = pd.to_numeric(df["e2e_ms"], errors="coerce").to_numpy(dtype=float)
-    t0 = np.nanmin(t_send) if t_send.size and np.isfinite(t_send).any() else 0.0
     end = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
-    span = max(1, int(np.ceil(np.nanmax(end) - t0))) if t_send.size and np.isfinite(end).any() else 1
     seconds = np.arange(span)
     events = events if events is not None else record_events(df, keep_times=True)
-    tokens = _tokens_per_second(events, t_send, t0, span)
+    tokens = events.seconds(timeline)
     # Time-weighted requests in flight per second (every request, warm-up and failures included).
     s_rel, e_rel = t_send - t0, end - t0
     valid = np.isfinite(s_rel) & np.isfinite(e_rel)
@@ -291,7 +288,6 @@ def _sorted_finite(values: Any) -> np.ndarray:
 # A CDF line is drawn through this many samples at most: past it, a uniform draw of them (seeded, so a
 # report is the same each time it is made) shows the same curve, to the width of a line, at a small part of
 # the cost (sorting and drawing 100M ITL samples takes minutes). The percentile marks stay exact.
-PLOT_SAMPLES = 200_000
 
 
 def _plotted(values: Any) -> tuple[np.ndarray, int]:

@@ -42,6 +42,7 @@ from loadlab.records import in_background, in_order
 EventBatch = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 ITL_METRICS = ("itl_ms", "itl_per_event_ms")
+PLOT_SAMPLES = 200_000  # a CDF line is drawn through at most this many samples (report.html)
 _WEIGHTED = {"itl_ms": True, "itl_per_event_ms": False}  # per token: each event weighted by its tokens
 
 
@@ -151,6 +152,7 @@ class RunEvents:
     gap_squares: np.ndarray = field(default_factory=lambda: np.zeros(0))
     gap_squares_per_token: np.ndarray = field(default_factory=lambda: np.zeros(0))
     figures: dict[str | None, dict[str, Pooled]] | None = None
+    tokens_per_second: np.ndarray | None = None  # over a scan's timeline (``scan_events``)
 
     @classmethod
     def of_batches(cls, batches: Iterable[EventBatch], keep_times: bool = False) -> RunEvents:
@@ -164,7 +166,7 @@ class RunEvents:
                 yield row0, batch
                 row0 += len(batch[1])
 
-        return _read(numbered(), keep_times, keep=True)[0]
+        return _read(numbered(), keep=True, keep_times=keep_times).events
 
     @property
     def rows(self) -> int:
@@ -174,13 +176,12 @@ class RunEvents:
     def later(self) -> np.ndarray:
         return np.maximum(self.lengths - 1, 0)
 
-    def times(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """Per chunk (kept with ``keep_times``): its first record, each record's kept events, their receipt
-        times and tokens."""
-        for c in self.chunks:
-            if c.ms is None:
-                raise ValueError("RunEvents: receipt times were not kept (keep_times=False)")
-            yield c.row0, c.lengths, c.ms, c.all_tok
+    def seconds(self, timeline: Timeline) -> np.ndarray:
+        """Output tokens received in each second of ``timeline``: a scan's count when it took that one, else
+        from the chunks kept with their receipt times (``of_batches(keep_times=True)``)."""
+        if self.tokens_per_second is not None and self.tokens_per_second.size == timeline[2]:
+            return self.tokens_per_second
+        return sum((_tokens_per_second(c, *timeline) for c in self.chunks), np.zeros(timeline[2]))
 
     def pooled(self, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """``stats.pooled_events`` over the records ``rows`` selects, materialised (small runs, tests)."""
@@ -201,44 +202,85 @@ class RunEvents:
         }
 
 
+@dataclass
+class _Job:
+    """What a pass over batches takes of each: per metric (weighted or not) what ``plan`` says, with the
+    ``scan``'s cells; the tokens received in each second of ``timeline`` (each record's send time, the
+    origin and the seconds); the scan's plot sample (``sample``)."""
+
+    scan: _Scan | None = None
+    plan: dict[bool, _Step] = field(default_factory=dict)
+    timeline: Timeline | None = None
+    sample: bool = False
+
+
+# Each record's send time (s), the timeline's origin and its number of seconds (``html.timeline_span``).
+Timeline = tuple[np.ndarray, float, int]
+
+
+@dataclass
+class _Read:
+    events: RunEvents
+    passed: dict[bool, _Passed]
+    tokens_per_second: np.ndarray | None
+    sample: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
 def _read(
-    numbered: Iterable[tuple[int, Any]],
-    keep_times: bool,
-    keep: bool,
-    scan: _Scan | None = None,
-    plan: dict[bool, _Step] | None = None,
-) -> tuple[RunEvents, dict[bool, _Passed]]:
+    numbered: Iterable[tuple[int, Any]], keep: bool, job: _Job | None = None, keep_times=False
+) -> _Read:
     """One pass over batches (each with its first record's place): each cleaned (a chunk kept from before is
-    used as it is) and, with a ``plan`` (per metric, weighted or not: what to take), scanned, two at a time
-    in native threads; the chunks kept if ``keep``. The records' arrays are those of the batches cleaned."""
-    plan = plan or {}
-    passed = {weighted: _Passed(scan.nc, step.counting) for weighted, step in plan.items()} if scan else {}
+    used as it is) and what ``job`` says taken of it, two at a time in native threads; the chunks kept if
+    ``keep`` (with their receipt times if ``keep_times``). The records' arrays are those of the batches
+    cleaned."""
+    job = job or _Job()
+    passed = {weighted: _Passed(job.scan.nc, step.counting) for weighted, step in job.plan.items()}
+    seconds = np.zeros(job.timeline[2]) if job.timeline is not None else None
     chunks: list[_Chunk] = []
     per_row: list[tuple[np.ndarray, ...]] = []
-    work = functools.partial(_work, keep_times=keep_times, scan=scan, plan=plan)
-    for chunk, rows, parts in in_order(work, numbered, ahead=8):
+    sample = []
+    work = functools.partial(_work, job=job, keep_times=keep_times)
+    for chunk, rows, parts, tokens, drawn in in_order(work, numbered, ahead=8):
         if keep:
             chunks.append(chunk)
         if rows is not None:
             per_row.append(rows)
         for weighted, part in parts.items():
             passed[weighted].add(part)
-    if not per_row:
-        return RunEvents(chunks), passed
-    return RunEvents(chunks, *(np.concatenate(c) for c in zip(*per_row, strict=True))), passed
+        if tokens is not None:
+            seconds += tokens
+        if drawn is not None:
+            sample.append(drawn)
+    events = RunEvents(chunks, *(np.concatenate(c) for c in zip(*per_row, strict=True))) if per_row else None
+    return _Read(events or RunEvents(chunks), passed, seconds, sample)
 
 
-def _work(numbered: tuple[int, Any], keep_times: bool, scan: _Scan | None, plan: dict[bool, _Step]):
+def _work(numbered: tuple[int, Any], job: _Job, keep_times: bool):
     row0, batch = numbered
     if isinstance(batch, _Chunk):
         chunk, rows = batch, None
     elif isinstance(batch, _Cleaned):
         chunk, rows = batch.chunk, batch.rows
     else:
-        chunk, rows = _cleaned(batch, keep_times)
+        chunk, rows = _cleaned(batch, keep_times or job.timeline is not None)
         chunk.row0 = row0
-    parts = scan.parts(chunk, plan) if scan is not None and plan else {}
-    return chunk, rows, parts
+    scan = job.scan
+    parts = scan.parts(chunk, job.plan) if scan is not None and job.plan else {}
+    tokens = _tokens_per_second(chunk, *job.timeline) if job.timeline is not None else None
+    drawn = scan.sample(chunk) if job.sample and scan is not None else None
+    if not keep_times and not isinstance(batch, _Chunk):  # receipt times wanted for this pass only
+        chunk.ms = chunk.all_tok = chunk.lengths = None
+    return chunk, rows, parts, tokens, drawn
+
+
+def _tokens_per_second(c: _Chunk, t_send: np.ndarray, t0: float, span: int) -> np.ndarray:
+    """The tokens a chunk's events carried, by the second of the timeline they were received in."""
+    if c.ms is None:
+        raise ValueError("RunEvents: receipt times were not kept (keep_times=False)")
+    ts = np.repeat(t_send[c.row0 : c.row0 + c.lengths.size] - t0, c.lengths)
+    sent = np.isfinite(ts)
+    at = ((ts + c.ms / 1000.0)[sent]).astype(int)
+    return np.bincount(np.clip(at, 0, span - 1), weights=c.all_tok[sent], minlength=span)[:span]
 
 
 _scratch = threading.local()  # per thread: the gaps between all of a batch's events (fresh memory is faults)
@@ -336,14 +378,14 @@ def scan_events(
     source: EventSource,
     scopes: Sequence[np.ndarray],
     qs: Sequence[float],
-    keep_times: bool = False,
+    timeline: Timeline | None = None,
     known: RunEvents | None = None,
 ) -> Scanned:
     """The records' events read from ``source``, and for each scope (a boolean mask over the records) its
-    per-token (``itl_ms``) and per-event (``itl_per_event_ms``) ITL: count, mean, std and the q-th
-    percentiles (0..100, numpy's linear method), taken as the batches are read. ``keep_times``: the events
-    are kept with their receipt times (the report's timeline and plots). ``known``: the records' events
-    when ``source`` reads their kept chunks (their records' sums are taken from it)."""
+    per-token (``itl_ms``) and per-event (``itl_per_event_ms``) ITL: count, mean, std, the q-th percentiles
+    (0..100, numpy's linear method) and a draw for a plot, taken as the batches are read. ``timeline``: also
+    the tokens received in each of its seconds (``RunEvents.tokens_per_second``). ``known``: the records'
+    events when ``source`` reads their kept chunks (their records' sums are taken from it)."""
     rows = int(sum(source.sizes))
     for mask in scopes:
         if len(mask) != rows:
@@ -355,29 +397,36 @@ def scan_events(
     scan = _Scan(cells, n_cells)
     metrics = {metric: _WEIGHTED[metric] for metric in ITL_METRICS}
     # Nothing to scan when no scope has a record: the events are only read.
-    plan = {weighted: _Step() for weighted in metrics.values()} if n_cells else {}
+    job = _Job(scan, {weighted: _Step() for weighted in metrics.values()} if n_cells else {}, timeline)
     batches = len(source.sizes)
-    if batches >= _PILOT_MIN:  # where each order statistic will lie, from every few batches
+    if batches >= _PILOT_MIN and job.plan:  # where each order statistic will lie, from every few batches
         pilot = source.pilot()
-        _, piloted = _read(((c.chunk.row0, c.chunk) for c in pilot.values()), False, False, scan, plan)
-        plan = {w: _Step(lut=scan.predicted(piloted[w].histogram(), scope_cells, qs)) for w in plan}
+        piloted = _read(((c.chunk.row0, c.chunk) for c in pilot.values()), False, _Job(scan, job.plan)).passed
+        job.plan = {w: _Step(lut=scan.predicted(piloted[w].histogram(), scope_cells, qs)) for w in job.plan}
+        share = sum(c.chunk.rows for c in pilot.values()) / max(rows, 1)
+        top = max((int(c.chunk.tok.max()) for c in pilot.values() if c.chunk.tok.size), default=1)
+        scan.sampling(piloted[False].histogram(), piloted[True].histogram(), share, scope_cells, top)
+    else:  # no pilot: every event in the plot sample
+        scan.sampling(None, None, 1.0, scope_cells)
+    job.sample = bool(job.plan)
     # Few batches: a second pass reads the kept chunks; a source of kept chunks keeps them.
-    keep = keep_times or batches < _PILOT_MIN or known is not None
+    keep = batches < _PILOT_MIN or known is not None
     everything = source.with_pilot() if batches >= _PILOT_MIN else source.numbered()
-    events, passed = _read(everything, keep_times, keep, scan, plan)
-    if known is not None:
-        events = known
+    read = _read(everything, keep, job)
+    events, passed = read.events if known is None else known, read.passed
+    events.tokens_per_second = read.tokens_per_second
     if events.rows != rows:
         raise ValueError(f"scan_events: {events.rows} records' events read, {rows} expected")
     scan.sums(events)
+    scan.drawn = read.sample
     # The pass's answers where it gathered every wanted bucket and the sums kept their precision; the rest
     # from one more pass: the wanted buckets exactly, the moments about each cell's mean.
     wants, again = {}, {}
-    for weighted in plan:
+    for weighted in job.plan:
         p = passed[weighted]
         p.s1, p.s2, p.count = scan.total, scan.squares[weighted], scan.count[weighted]
         wants[weighted] = _targets(p.histogram(), scope_cells, qs, scan.count[weighted])
-        lut = plan[weighted].lut
+        lut = job.plan[weighted].lut
         gathered = lut is not None and all(
             lut[b * scan.nc + cell] for want in wants[weighted] if want is not None
             for b in np.unique(want.at).tolist() for cell in want.cells
@@ -391,7 +440,7 @@ def scan_events(
             )
     if again:
         second = EventSource.of(events.chunks) if keep else source
-        _, more = _read(second.numbered(), False, False, scan, again)
+        more = _read(second.numbered(), False, _Job(scan, again)).passed
         for weighted, step in again.items():
             p, q = passed[weighted], more[weighted]
             if step.lut is not None:
@@ -399,11 +448,10 @@ def scan_events(
             if step.centre is not None:
                 p.s1, p.s2, p.centre = q.s1, q.s2, step.centre
     figures: list[dict[str, Pooled]] = [{} for _ in scopes]
-    drawn = events.chunks if keep else None
     for metric, weighted in metrics.items():
         pooled = (
-            scan.answer(passed[weighted], wants[weighted], scope_cells, qs, weighted, drawn)
-            if weighted in plan
+            scan.answer(passed[weighted], wants[weighted], scope_cells, qs, weighted)
+            if weighted in job.plan
             else [Pooled(0, None, None, {}) for _ in scopes]
         )
         for figure, one in zip(figures, pooled, strict=True):
@@ -497,6 +545,44 @@ class _Scan:
         self.count: dict[bool, np.ndarray] = {}
         self.squares: dict[bool, np.ndarray] = {}
         self.total = np.zeros(self.nc)
+        # The plot sample: each cell's rate, each scope's (per metric), the events drawn (gaps, tokens, cells).
+        self.rate = np.zeros(self.nc)
+        self.scope_rate: dict[tuple[bool, tuple[int, ...]], float] = {}
+        self.drawn: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def sampling(
+        self, event_hist, token_hist, share: float, scope_cells: list[list[int]], top: int = 1
+    ) -> None:
+        """The plot sample's rates: every scope's draw of ``PLOT_SAMPLES`` per event and per token (each
+        event then kept in proportion to its tokens, at most ``top``), from the events and tokens a pilot of
+        ``share`` of the records counted per cell (``None``: every event drawn)."""
+        for mine in scope_cells:
+            for weighted, hist, per in ((False, event_hist, 1), (True, token_hist, top)):
+                seen = float(hist[mine].sum()) / share if hist is not None and mine else 0.0
+                rate = min(1.0, (PLOT_SAMPLES * per * 1.2 + 16) / seen) if seen else 1.0
+                self.scope_rate[weighted, tuple(mine)] = rate
+                self.rate[mine] = np.maximum(self.rate[mine], rate)
+
+    def sample(self, c: _Chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """A chunk's events in the plot sample, each with its cell's rate (seeded by the chunk's place: a
+        report is the same each time it is made)."""
+        n = c.gaps.size
+        if not n or not self.rate.any():
+            return None
+        rng = np.random.default_rng([c.row0, 7])
+        cell = self.event_cells(c)
+        full = self.rate >= 1
+        picked = [np.flatnonzero(full[cell])] if full.any() else []  # cells drawn whole
+        low = float(self.rate[~full].max()) if (~full).any() else 0.0
+        if low > 0:  # the rest: every event at the highest rate (geometric steps), then each at its cell's
+            pos = np.cumsum(rng.geometric(low, int(n * low * 1.1) + 64)) - 1
+            while pos[-1] < n:
+                pos = np.concatenate([pos, pos[-1] + np.cumsum(rng.geometric(low, int(n * low * 0.2) + 64))])
+            pos = pos[pos < n]
+            pos = pos[~full[cell[pos]]]
+            picked.append(pos[rng.random(pos.size) * low < self.rate[cell[pos]]])
+        pos = np.sort(np.concatenate(picked)) if picked else np.empty(0, dtype=np.int64)
+        return c.gaps[pos], c.tok[pos], cell[pos].astype(np.int64)
 
     def sums(self, events: RunEvents) -> None:
         """Per cell, from the records' sums: the events' and tokens' counts, the gaps' sum and squares."""
@@ -590,7 +676,7 @@ class _Scan:
                 grid[a : b + 1, mine] = True
         return lut
 
-    def answer(self, passed, wants, scope_cells, qs, weighted, chunks) -> list[Pooled]:
+    def answer(self, passed, wants, scope_cells, qs, weighted) -> list[Pooled]:
         """Every scope's figures from a pass that gathered the buckets of every wanted order statistic."""
         count = self.count[weighted]
         passed.count = count
@@ -619,8 +705,7 @@ class _Scan:
             highs = np.array([found[k] for k in want.hi.tolist()])
             known = dict(zip(qs, lerp(lows, highs, want.gamma).tolist(), strict=True))
             _, mean_all, var = _combined(count[mine], mean[mine], m2[mine])
-            drawer = None if chunks is None else _Drawer(self, chunks, weighted, mine)
-            out.append(Pooled(want.n, mean_all, math.sqrt(var), known, drawer))
+            out.append(Pooled(want.n, mean_all, math.sqrt(var), known, _Drawer(self, weighted, mine)))
         return out
 
 
@@ -723,37 +808,24 @@ def weighted_kth(values: np.ndarray, weights: np.ndarray | None, ranks: np.ndarr
 
 
 class _Drawer:
-    """A uniform draw of a scope's samples for a plot: events drawn uniformly, each kept with a probability
-    proportional to its weight (so tokens are drawn uniformly), seeded. Over the kept chunks."""
+    """A uniform draw of a scope's samples for a plot, from the scan's plot sample: its events thinned to the
+    scope's rate (uniform over the scope's events), each then kept with a probability proportional to its
+    tokens for the per-token samples (uniform over the tokens), seeded."""
 
-    def __init__(self, scan: _Scan, chunks: list[_Chunk], weighted: bool, mine: list[int]):
+    def __init__(self, scan: _Scan, weighted: bool, mine: list[int]):
         self.scan, self.weighted, self.mine = scan, weighted, mine
-        self.chunks = [c for c in chunks if c.gaps.size]
 
     def __call__(self, n: int) -> np.ndarray:
-        rng = np.random.default_rng(0)
-        chunks = self.chunks
-        top = max((int(c.tok.max()) for c in chunks), default=1) if self.weighted else 1
-        # The scope's events, chunk by chunk (its records' later events).
-        mine_rows = np.isin(self.scan.cells, self.mine)
-        sizes = np.array([int(c.later[mine_rows[c.row0 : c.row0 + c.rows]].sum()) for c in chunks])
-        events = int(sizes.sum())
-        if not events:
+        scan, rng = self.scan, np.random.default_rng(0)
+        if not scan.drawn:
             return np.empty(0)
-        tokens = float(self.scan.count[self.weighted][self.mine].sum())
-        draws = min(events, int(n * top * events / tokens * 1.2) + 16)
-        at = np.sort(rng.integers(0, events, draws)) if draws < events else np.arange(events)
-        ends = np.cumsum(sizes)
-        bufs = _Buffers(max(c.gaps.size for c in chunks))
-        picked = []
-        for c, end, size in zip(chunks, ends.tolist(), sizes.tolist(), strict=True):
-            local = at[(at >= end - size) & (at < end)] - (end - size)
-            if not local.size:
-                continue
-            value, weight = self.scan.values(c, self.weighted, bufs)
-            positions = np.flatnonzero(np.repeat(mine_rows[c.row0 : c.row0 + c.rows], c.later))[local]
-            if weight is not None and top > 1:
-                positions = positions[rng.random(positions.size) * top < weight[positions]]
-            picked.append(value[positions])
-        drawn = np.concatenate(picked) if picked else np.empty(0)
-        return np.sort(rng.permutation(drawn)[:n])
+        gaps, tok, cell = (np.concatenate(x) for x in zip(*scan.drawn, strict=True))
+        member = np.zeros(scan.nc, dtype=bool)
+        member[self.mine] = True
+        rate = scan.scope_rate[self.weighted, tuple(self.mine)]
+        keep = member[cell] & (rng.random(cell.size) * scan.rate[cell] < rate)
+        values, weights = gaps[keep], tok[keep]
+        if self.weighted and values.size:
+            accept = rng.random(values.size) * int(weights.max()) < weights
+            values = values[accept] / weights[accept]
+        return np.sort(rng.permutation(values)[:n])

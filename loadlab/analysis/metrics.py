@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from loadlab.analysis import verdicts
-from loadlab.analysis.itl import ITL_METRICS, Pooled, RunEvents, itl_figures
+from loadlab.analysis.itl import ITL_METRICS, EventSource, Pooled, RunEvents, itl_figures
 from loadlab.analysis.server_metrics import gauge_peaks, outages, same_server, scrape_interval, server_summary
 from loadlab.analysis.stats import (  # the definitions, shared with the live figures (loadlab.swarm.live)
     Described,
@@ -214,20 +214,26 @@ def _objects(df: pd.DataFrame, col: str) -> list[Any]:
 
 
 def record_events(df: pd.DataFrame, keep_times: bool = False) -> RunEvents:
-    """The records' token-carrying events: from Arrow's flat values batch by batch when the DataFrame holds
-    them (``load_records(arrow=True)``), else from the per-record lists or arrays. ``keep_times``: as
+    """The records' token-carrying events (``event_source``'s batches), every chunk kept. ``keep_times``: as
     ``RunEvents.of_batches``."""
+    return RunEvents.of_batches(event_source(df).read(None), keep_times)
+
+
+def event_source(df: pd.DataFrame) -> EventSource:
+    """The records' per-event columns as batches (``itl.scan_events``): from Arrow's flat values batch by
+    batch when the DataFrame holds them (``load_records(arrow=True)``), else from the per-record lists or
+    arrays."""
     if "arrival_ms" not in df.columns:
         none = np.zeros(len(df), dtype=np.int64)
-        return RunEvents.of_batches([(np.empty(0), none, np.empty(0), none)])
+        return EventSource.of([(np.empty(0), none, np.empty(0), none)])
     columns = [df[name] for name in ("arrival_ms", "arrival_tokens") if name in df.columns]
     if all(isinstance(c.dtype, pd.ArrowDtype) for c in columns):
         import pyarrow as pa
 
         table = pa.table({c.name: c.array.__arrow_array__() for c in columns})
-        return RunEvents.of_batches(table_event_batches(table), keep_times)
+        return EventSource.of(table_event_batches(table))
     tokens = _objects(df, "arrival_tokens")
-    return RunEvents.of_batches([lists_batch(_objects(df, "arrival_ms"), tokens)], keep_times)
+    return EventSource.of([lists_batch(_objects(df, "arrival_ms"), tokens)])
 
 
 def _objects_array(df: pd.DataFrame, col: str) -> np.ndarray:

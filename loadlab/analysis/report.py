@@ -9,9 +9,9 @@ from typing import Any
 
 import pandas as pd
 
-from loadlab.analysis.html import REPORT_HTML, render_html
+from loadlab.analysis.html import REPORT_HTML, render_html, timeline_of
 from loadlab.analysis.itl import EventSource, RunEvents, scan_events
-from loadlab.analysis.metrics import REPORT_FIELDS, compute_summary, itl_scopes, record_events
+from loadlab.analysis.metrics import REPORT_FIELDS, compute_summary, event_source, itl_scopes
 from loadlab.analysis.server_metrics import read_server_metrics
 from loadlab.analysis.summary import (
     ESTIMATED_ROWS,
@@ -87,22 +87,24 @@ def _write_report(run_dir: Path, source: str | None, html: bool) -> Summary:
     # Arrow lists and categorical text: no Python object per record or per event (a million records).
     manifest = read_manifest(run_dir)
     if source == RECORDS_PARQUET:
-        # The per-event columns a row group at a time, the ITL figures taken as they are read (the scopes
-        # come from the other columns); the events kept only for report.html's timeline and plots.
+        # The per-event columns apart, a row group at a time (the pilot's while the other columns load).
         batches = EventSource(row_group_sizes(run_dir), functools.partial(event_batches, run_dir))
-        batches.start_pilot()  # while the other columns are read
+        batches.start_pilot()
         df = load_records(run_dir, columns=list(REPORT_FIELDS), arrow=True)
-        scopes = itl_scopes(df, manifest)
-
-        def scanned() -> RunEvents:
-            done = scan_events(batches, scopes.masks, scopes.qs, keep_times=html)
-            done.events.figures = scopes.named(done.figures)
-            return done.events
-
-        events = in_background(scanned)  # compute_summary takes what needs no events meanwhile
     else:
         df = load_records(run_dir, arrow=True) if source else pd.DataFrame(columns=list(RECORD_FIELDS))
-        events = record_events(df, keep_times=html)  # read once: the summary's samples, the timeline's tokens
+        batches = event_source(df)
+    # The ITL figures (and report.html's tokens per second and plot samples) taken as the events are read,
+    # nothing per event kept; meanwhile compute_summary takes what needs no events.
+    scopes = itl_scopes(df, manifest)
+    timeline = timeline_of(df) if html else None
+
+    def scanned() -> RunEvents:
+        done = scan_events(batches, scopes.masks, scopes.qs, timeline)
+        done.events.figures = scopes.named(done.figures)
+        return done.events
+
+    events = in_background(scanned)
     server_rows = read_server_metrics(run_dir)
     samples: dict = {}
     class_samples: dict = {}
@@ -112,10 +114,9 @@ def _write_report(run_dir: Path, source: str | None, html: bool) -> Summary:
     summary.write(run_dir)
     write_atomic(run_dir / SUMMARY_MD, markdown)
     if html:  # plots take about a second
-        events = events if isinstance(events, RunEvents) else events.result()
         write_atomic(
             run_dir / REPORT_HTML,
-            render_html(summary, samples, df, server_rows, markdown, class_samples, events),
+            render_html(summary, samples, df, server_rows, markdown, class_samples, events.result()),
         )
     return summary
 
