@@ -24,11 +24,17 @@ Each run's processes import only their own tree (PYTHONPATH, working directory).
 
     python bench/master_lease.py [--before REV [REV ...]] [--workers 8] [--users 512] [--requests 4096]
                                  [--tokens 4] [--ttft-ms 2] [--gap-ms 1] [--repeats 3] [--keep]
+                                 [--master-core N]
+
+``--master-core N``: the master pinned to core N and every other process (the server, the CLI, the workers)
+to the other cores, as in a deployment where the master has a machine of its own (``taskset``'s affinity,
+set as each process appears: within 0.1 s of its start).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -77,9 +83,19 @@ def one_run(args, tree: Path, server: ServerProcess, out: Path) -> dict:
            "--num-requests", str(args.requests), "--output-len", str(args.tokens)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tree, env=env)
-    sampler = CpuSampler(
-        server.proc.pid, lambda: {p: role(p) or "other" for p in children(proc.pid)}, SAMPLE_S
-    )
+    pinned: set[int] = set()
+
+    def roles() -> dict[int, str]:
+        found = {p: role(p) or "other" for p in children(proc.pid)}
+        if args.master_core is not None:  # the master on its core, every other process of the run on the rest
+            for pid, kind in found.items():
+                if pid not in pinned:
+                    pinned.add(pid)
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(pid, {args.master_core} if kind == "master" else args.rest)
+        return found
+
+    sampler = CpuSampler(server.proc.pid, roles, SAMPLE_S)
     stdout, stderr = proc.communicate()
     sampler.finish()
     if proc.returncode != 0:
@@ -146,7 +162,16 @@ def main() -> int:
     parser.add_argument("--gap-ms", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of before and after, interleaved")
     parser.add_argument("--keep", action="store_true", help="keep the run directories and the trees")
+    parser.add_argument(
+        "--master-core",
+        type=int,
+        default=None,
+        help="pin the master to this core and the server, the CLI and the workers to the others",
+    )
     args = parser.parse_args()
+    args.rest = set(range(os.cpu_count() or 1)) - (
+        {args.master_core} if args.master_core is not None else set()
+    )
 
     if args.before:
         befores = {rev[:8]: rev for rev in args.before}
@@ -156,6 +181,9 @@ def main() -> int:
     trees = {name: unpack(rev, work / f"tree{i}") for i, (name, rev) in enumerate(befores.items())}
     trees["after"] = REPO
     server = start_scripted(work / "server.jsonl", args.ttft_ms, args.gap_ms)
+    if args.master_core is not None:
+        os.sched_setaffinity(server.proc.pid, args.rest)
+        os.sched_setaffinity(0, args.rest)  # this process, and the run's CLI that it starts
     print(machine_line())
     revs = ", ".join(f"{name} = {git('rev-parse', '--short=12', rev)}" for name, rev in befores.items())
     print(f"# {revs}, after = this tree; {args.workers} workers x {args.users // args.workers} "

@@ -11,7 +11,9 @@ kept (``RunEvents``; the events themselves only for report.html's plots):
 - the events in the buckets that hold a wanted order statistic, gathered, whose exact values a radix select
   among those few finds (``weighted_kth``). With 16 batches or more a pilot of every eighth says, before
   the pass, where each order statistic will lie; the pass gathers those buckets with a margin as it counts;
-- the means and standard deviations from the records' sums of gaps and squared gaps.
+- the means and standard deviations from the records' sums of gaps and squared gaps;
+- report.html's tokens received per second, and each scope's plot draw from a sample of events taken at
+  rates the pilot sets (a scope too small for them drawn whole), so the page needs no event kept either.
 
 The histograms are exact after the one pass, so when the pilot misled (a statistic outside what was
 gathered) or the sums would lose precision (a near-constant metric), one more pass (over the batches read
