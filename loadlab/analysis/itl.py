@@ -59,7 +59,7 @@ class _Chunk:
     later: np.ndarray  # each record's number of later events
     with_later: np.ndarray  # the records (in the chunk) that have any, and where their later events start
     starts: np.ndarray
-    ms: np.ndarray | None = None  # every kept event's receipt time and tokens, for the timeline (keep_times)
+    ms: np.ndarray | None = None  # every kept event's receipt time and tokens (a timeline, keep_times)
     all_tok: np.ndarray | None = None
     lengths: np.ndarray | None = None
 
@@ -106,7 +106,7 @@ class EventSource:
         self._pilot = in_background(self._read_pilot)
 
     def pilot(self) -> dict[int, _Cleaned]:
-        """The pilot's batches, cleaned (with their receipt times: a scan that keeps them keeps these)."""
+        """The pilot's batches, cleaned (with their receipt times, for a timeline)."""
         if self._pilot is None:
             self.start_pilot()
         return self._pilot.result()
@@ -128,8 +128,9 @@ class EventSource:
         pilot = self.pilot()
         rest = iter(self.numbered([i for i in range(len(self.sizes)) if i not in pilot]))
         row0 = self._row0()
+        self._pilot = None  # handed over: not held after this pass
         for i in range(len(self.sizes)):
-            yield (row0[i], pilot[i]) if i in pilot else next(rest)
+            yield (row0[i], pilot.pop(i)) if i in pilot else next(rest)
 
 
 @dataclass
