@@ -409,9 +409,7 @@ def scan_events(
         share = sum(c.chunk.rows for c in pilot.values()) / max(rows, 1)
         top = max((int(c.chunk.tok.max()) for c in pilot.values() if c.chunk.tok.size), default=1)
         scan.sampling(piloted[False].histogram(), piloted[True].histogram(), share, scope_cells, top)
-    else:  # no pilot: every event in the plot sample
-        scan.sampling(None, None, 1.0, scope_cells)
-    job.sample = bool(job.plan)
+        job.sample = True  # else in the second pass, at rates from this pass's counts
     # Few batches: a second pass reads the kept chunks; a source of kept chunks keeps them.
     keep = batches < _PILOT_MIN or known is not None
     everything = source.with_pilot() if batches >= _PILOT_MIN else source.numbered()
@@ -421,7 +419,6 @@ def scan_events(
     if events.rows != rows:
         raise ValueError(f"scan_events: {events.rows} records' events read, {rows} expected")
     scan.sums(events)
-    scan.drawn = read.sample
     # The pass's answers where it gathered every wanted bucket and the sums kept their precision; the rest
     # from one more pass: the wanted buckets exactly, the moments about each cell's mean.
     wants, again = {}, {}
@@ -443,13 +440,19 @@ def scan_events(
             )
     if again:
         second = EventSource.of(events.chunks) if keep else source
-        more = _read(second.numbered(), False, _Job(scan, again)).passed
+        if not job.sample and job.plan:  # no pilot: the plot sample's rates from the exact counts
+            top = max((int(c.tok.max()) for c in events.chunks if c.tok.size), default=1)
+            scan.sampling(passed[False].histogram(), passed[True].histogram(), 1.0, scope_cells, top)
+        sampled = _read(second.numbered(), False, _Job(scan, again, sample=not job.sample))
+        more = sampled.passed
+        read.sample += sampled.sample
         for weighted, step in again.items():
             p, q = passed[weighted], more[weighted]
             if step.lut is not None:
                 p.gathered = q.gathered
             if step.centre is not None:
                 p.s1, p.s2, p.centre = q.s1, q.s2, step.centre
+    scan.drawn = read.sample
     figures: list[dict[str, Pooled]] = [{} for _ in scopes]
     for metric, weighted in metrics.items():
         pooled = (
@@ -557,11 +560,11 @@ class _Scan:
         self, event_hist, token_hist, share: float, scope_cells: list[list[int]], top: int = 1
     ) -> None:
         """The plot sample's rates: every scope's draw of ``PLOT_SAMPLES`` per event and per token (each
-        event then kept in proportion to its tokens, at most ``top``), from the events and tokens a pilot of
-        ``share`` of the records counted per cell (``None``: every event drawn)."""
+        event then kept in proportion to its tokens, at most ``top``), from the events and tokens counted per
+        cell in ``share`` of the records (a pilot's; 1: a pass over all of them)."""
         for mine in scope_cells:
             for weighted, hist, per in ((False, event_hist, 1), (True, token_hist, top)):
-                seen = float(hist[mine].sum()) / share if hist is not None and mine else 0.0
+                seen = float(hist[mine].sum()) / share if mine else 0.0
                 rate = min(1.0, (PLOT_SAMPLES * per * 1.2 + 16) / seen) if seen else 1.0
                 self.scope_rate[weighted, tuple(mine)] = rate
                 self.rate[mine] = np.maximum(self.rate[mine], rate)
@@ -585,7 +588,7 @@ class _Scan:
             pos = pos[~full[cell[pos]]]
             picked.append(pos[rng.random(pos.size) * low < self.rate[cell[pos]]])
         pos = np.sort(np.concatenate(picked)) if picked else np.empty(0, dtype=np.int64)
-        return c.gaps[pos], c.tok[pos], cell[pos].astype(np.int64)
+        return c.gaps[pos], c.tok[pos], cell[pos]
 
     def sums(self, events: RunEvents) -> None:
         """Per cell, from the records' sums: the events' and tokens' counts, the gaps' sum and squares."""
