@@ -207,6 +207,35 @@ def strings(df: pd.DataFrame, col: str) -> np.ndarray:
     return np.array([v if isinstance(v, str) else None for v in column.tolist()], dtype=object)
 
 
+class Labels:
+    """A text column as integer codes (a categorical column's own), so that a million records' masks by value
+    compare integers, not Python strings."""
+
+    def __init__(self, df: pd.DataFrame, col: str):
+        column = df[col] if col in df.columns else None
+        if column is not None and isinstance(column.dtype, pd.CategoricalDtype):
+            self.codes = column.cat.codes.to_numpy()  # -1: null
+            names = [v if isinstance(v, str) else None for v in column.cat.categories.tolist()]
+        else:
+            self.codes, uniques = pd.factorize(strings(df, col), use_na_sentinel=True)
+            names = [v if isinstance(v, str) else None for v in uniques.tolist()]
+        self.code = {name: i for i, name in enumerate(names) if name is not None}
+        self.named = self.codes >= 0
+        for i, name in enumerate(names):  # a category that is not text counts as none
+            if name is None:
+                self.named &= self.codes != i
+
+    def equals(self, value: str) -> np.ndarray:
+        """The records whose value is ``value``."""
+        i = self.code.get(value)
+        return self.codes == i if i is not None else np.zeros(self.codes.size, dtype=bool)
+
+    def present(self, rows: np.ndarray) -> set[str]:
+        """The values of the records ``rows`` selects (none counted out)."""
+        used = np.unique(self.codes[rows & self.named])
+        return {name for name, i in self.code.items() if i in set(used.tolist())}
+
+
 def _objects(df: pd.DataFrame, col: str) -> list[Any]:
     if col not in df.columns:
         return [None] * len(df)
@@ -450,20 +479,18 @@ def itl_scopes(df: pd.DataFrame, manifest: Manifest | None) -> ItlScopes:
     phase, outcome = strings(df, "phase"), strings(df, "outcome")
     measured = phase == MEASURE
     return _itl_scopes(
-        _from_manifest(manifest), measured & (outcome == OK), measured, strings(df, "request_class")
+        _from_manifest(manifest), measured & (outcome == OK), measured, Labels(df, "request_class")
     )
 
 
-def _itl_scopes(
-    run: _FromManifest, ok: np.ndarray, measured: np.ndarray, request_class: np.ndarray
-) -> ItlScopes:
+def _itl_scopes(run: _FromManifest, ok: np.ndarray, measured: np.ndarray, request_class: Labels) -> ItlScopes:
     profile_classes = {c["name"]: c for c in run.classes if isinstance(c, dict) and "name" in c}
-    others = sorted(set(request_class[measured & (request_class != None)]) - set(profile_classes))  # noqa: E711
+    others = sorted(request_class.present(measured) - set(profile_classes))
     class_names = [*profile_classes, *others]
     qs = {50.0, *map(float, PERCENTILES), 99.9}  # 99.9: the report's plots
     for slo in [run.slo, *(c.get("slo") for c in profile_classes.values())]:
         qs.update(float(q) for metric, q, _, _ in slo_objectives(slo)[0] if metric in ITL_METRICS)
-    masks = [ok, *(ok & (request_class == name) for name in class_names)]
+    masks = [ok, *(ok & request_class.equals(name) for name in class_names)]
     return ItlScopes([None, *class_names], masks, sorted(qs))
 
 
@@ -571,7 +598,7 @@ def compute_summary(
     # over the events, with every percentile an SLO objective or the report asks of it: taken as the events
     # were read (scan_events, a report's), else here in native threads while the per-request figures are
     # taken (numpy's loops run without the GIL).
-    request_class = strings(df, "request_class")
+    request_class = Labels(df, "request_class")
     profile_classes = {c["name"]: c for c in run.classes if isinstance(c, dict) and "name" in c}
     scopes = _itl_scopes(run, ok, measured, request_class)
     class_names = scopes.names[1:]
@@ -631,8 +658,8 @@ def compute_summary(
     short = ok & (max_new_tokens > 0) & (out_tokens_resolved < max_new_tokens)
 
     # Per worker: the measured records each worker served (served_by, the x-loadlab-worker header).
-    served_by = strings(df, "served_by")
-    attributed = np.not_equal(served_by, None)
+    served_by = Labels(df, "served_by")
+    attributed = served_by.named
     scrape_start = None if window_start is None else window_start - margin
     scrape_end = None if window_end is None else window_end + margin
     kv_peaks = gauge_peaks(server_rows, "sglang:token_usage", scrape_start, scrape_end)
@@ -640,12 +667,12 @@ def compute_summary(
     # those after the last measured request: the scraper runs only while the run does (it is stopped
     # before an embedded cluster is), and a worker that died at the end may have failed only those.
     down = outages(server_rows)
-    named = set(served_by[measured & attributed])
+    named = served_by.present(measured)
     # A worker that died before it served a measured request still has an entry, so the report names it.
     named |= {url for url in down if not any(same_server(w) == url for w in named)}
     workers = []
     for worker in sorted(named):
-        mine = measured & (served_by == worker)
+        mine = measured & served_by.equals(worker)
         done = mine & ok
         worker_failures: dict[str, int] = {}
         for kind in outcome[mine & ~ok]:
@@ -768,7 +795,7 @@ def compute_summary(
     # Per SLO class: its measured records alone, the same definitions, its own SLO.
     summary["classes"] = []
     for name in class_names:
-        mine = measured & (request_class == name)
+        mine = measured & request_class.equals(name)
         done = mine & ok
         class_samples, class_out = samples_of(done, name)
         class_figures, class_described = describe_all(resolved(class_samples))
