@@ -77,6 +77,8 @@ def _on_init(environment, runner, **_kw):
         except WebLoginError as e:
             _fail(str(e), exits.BAD_INPUT)
     _show_live_figures(environment)  # first: a port that is taken fails before the target starts
+    if isinstance(runner, MasterRunner):  # before the target starts: workers' first messages find it
+        context.coordinator = Coordinator(environment, on_failure=lambda: end_run(environment))
     try:
         context.session = Session(environment)
     except ConfigError as e:  # the profile, or the cluster file it names
@@ -84,7 +86,6 @@ def _on_init(environment, runner, **_kw):
     except TargetError as e:
         _fail(str(e), exits.TARGET)
     if isinstance(runner, MasterRunner):
-        context.coordinator = Coordinator(environment, on_failure=lambda: end_run(environment))
         # Users of a worker that dies are started again on the others (Locust's rebalancing).
         environment.parsed_options.enable_rebalancing = True
 

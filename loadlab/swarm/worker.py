@@ -51,7 +51,8 @@ from loadlab.workload import build_workload
 from loadlab.workload.text import Renderer
 
 log = logging.getLogger("loadlab")
-CLOCK_PINGS = 5
+CLOCK_PINGS = 5  # round trips the clock estimate takes the fastest of
+CLOCK_PINGS_MAX = 150  # pings sent at most (0.2 s apart) while the master is not answering yet
 
 
 class RemoteTickets:
@@ -410,7 +411,11 @@ class WorkerAgent:
     def _sync_clock(self) -> None:
         """NTP-style: the master's clock minus ours at the midpoint of the fastest of a few round trips."""
         runner = self.environment.runner
-        for _ in range(CLOCK_PINGS):
+        # Until CLOCK_PINGS came back: a ping that reaches a master still starting (its target, say) is
+        # dropped unanswered.
+        for _ in range(CLOCK_PINGS_MAX):
+            if len(self._pongs) >= CLOCK_PINGS or self._clock_reported:
+                break
             Ping(t0=time.time()).send(runner)
             gevent.sleep(0.2)
         self._report_clock()
