@@ -430,6 +430,48 @@ def test_reusable_prefix_of_rag_misses_only_chance_coincidences():
     assert fast[0] == 0 and fast.sum() > 0.5 * 600 * 64  # the instruction and popular passages
 
 
+@pytest.mark.parametrize(
+    "k, corpus, zipf, seed",
+    [(4, 1000, 1.1, 1), (1, 50, 0.5, -3), (5, 6, 2.0, 7), (3, 3, 1.0, 2), (2, 100_000, 1.2, 9)],
+)
+def test_rag_passages_drawn_in_bulk_are_each_requests_own(k, corpus, zipf, seed):
+    """The RAG bound draws every request's passages at once (bulk_rng); a request whose first 2k picks hold
+    fewer than k distinct passages (a tiny corpus, a steep Zipf) is drawn again alone. Either way the
+    passages and the bound are those of each request's own generator, in a run's order and for scattered
+    indices."""
+    from loadlab.workload.generators import _SALT_RAG_REQUEST, _rng
+
+    w = build_workload(validate_profile({"seed": seed, "workload": {"kind": "rag", "input_len": 256,
+        "output_len": 4, "instruction_len": 16, "question_len": 16, "passages_per_prompt": k,
+        "corpus_size": corpus, "zipf_s": zipf}}))  # fmt: skip
+    for indices in (
+        list(range(1500)),
+        sorted(set(np.random.default_rng(1).integers(0, 2**32 - 1, 800).tolist())),
+    ):
+        own = [tuple(w.draw_passages(_rng(w._s, i, _SALT_RAG_REQUEST))) for i in indices]
+        assert [tuple(row) for row in w.passages_of(np.array(indices)).tolist()] == own
+        seen: set[tuple[int, ...]] = set()
+        truth = []
+        for n, pids in enumerate(own):  # the bound's definition, a request at a time
+            depth = 0
+            while depth < k and pids[: depth + 1] in seen:
+                depth += 1
+            truth.append(min(16 + depth * w.passage_len, 255) if n else 0)
+            seen.update(pids[:d] for d in range(1, k + 1))
+        assert w.reusable_prefix(indices).tolist() == truth
+
+
+def test_bulk_first_draws_equal_numpys_generators():
+    from loadlab.workload.bulk_rng import first_doubles
+
+    rng = np.random.default_rng(2)
+    indices = np.concatenate([np.arange(40), rng.integers(0, 2**32 - 1, 300), [2**32 - 1]])
+    for prefix, suffix in (([123], [13]), ([2**64 - 5], [13]), ([0], [0]), ([7, 2**40], [1, 2, 3])):
+        got = first_doubles(prefix, indices, suffix, 6)
+        want = np.array([np.random.default_rng([*prefix, int(i), *suffix]).random(6) for i in indices])
+        assert np.array_equal(got, want)
+
+
 def test_reusable_prefix_with_classes_counts_each_workload_alone():
     base = {
         "kind": "shared_prefix",

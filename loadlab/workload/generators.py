@@ -28,6 +28,7 @@ from loadlab.profile import (
     RagWorkloadConfig,
     RandomPrefixWorkloadConfig,
 )
+from loadlab.workload.bulk_rng import first_doubles
 from loadlab.workload.spec import RequestSpec
 from loadlab.workload.words import NUM_WORDS
 
@@ -193,16 +194,50 @@ class RagGenerator(WorkloadGenerator):
         # Any earlier request shares the instruction; one that began with the same d passages shares those
         # too (passages are in rank order, so equal leading passage ids are equal leading tokens).
         w: RagWorkloadConfig = self.config
-        seen: set[tuple[int, ...]] = set()
-        out = []
-        for n, index in enumerate(indices):
-            pids = tuple(self.draw_passages(_rng(self._s, index, _SALT_RAG_REQUEST)))
-            depth = 0
-            while depth < self.k and pids[: depth + 1] in seen:
-                depth += 1
-            out.append(min(w.instruction_len + depth * self.passage_len, w.input_len - 1) if n else 0)
-            seen.update(pids[:d] for d in range(1, self.k + 1))
-        return out
+        if not indices:
+            return []
+        pids = self.passages_of(np.asarray(indices, dtype=np.int64))
+        position = np.arange(len(indices))
+        depth = np.zeros(len(indices), dtype=np.int64)
+        n = len(self._cdf)
+        keys = np.zeros(len(indices), dtype=np.int64)
+        for d in range(1, self.k + 1):  # each request's first d passages: seen in an earlier request?
+            if n**d < 1 << 62:  # the first d ids as one number
+                keys = keys * n + pids[:, d - 1]
+                _, first, which = np.unique(keys, return_index=True, return_inverse=True)
+            else:
+                _, first, which = np.unique(pids[:, :d], axis=0, return_index=True, return_inverse=True)
+            depth += first[which.ravel()] < position
+        shared = np.minimum(w.instruction_len + depth * self.passage_len, w.input_len - 1)
+        shared[0] = 0
+        return shared.tolist()
+
+    def passages_of(self, indices: np.ndarray) -> np.ndarray:
+        """Each request's passage ids (``draw_passages`` of its generator), for many indices at once: their
+        generators' first draws in bulk (``bulk_rng``), a request whose first 2k picks hold fewer than k
+        distinct passages drawn again one at a time."""
+        k, n = self.k, len(self._cdf)
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() > 0xFFFFFFFF):
+            return np.array([self.draw_passages(_rng(self._s, int(i), _SALT_RAG_REQUEST)) for i in indices])
+        picks = np.minimum(
+            np.searchsorted(
+                self._cdf, first_doubles([self._s], indices, [_SALT_RAG_REQUEST], 2 * k), "right"
+            ),
+            n - 1,
+        )
+        chosen = np.full((indices.size, k), -1, dtype=np.int64)
+        count = np.zeros(indices.size, dtype=np.int64)
+        rows = np.arange(indices.size)
+        for j in range(2 * k):  # in draw order, each pick not chosen yet, until k are
+            p = picks[:, j]
+            take = (count < k) & ~(chosen == p[:, None]).any(axis=1)
+            chosen[rows[take], count[take]] = p[take]
+            count += take
+        for row in np.flatnonzero(count < k).tolist():  # rare: the slow path's later rounds
+            chosen[row] = self.draw_passages(_rng(self._s, int(indices[row]), _SALT_RAG_REQUEST))
+        chosen.sort(axis=1)
+        return chosen
 
 
 def _lead_pair(perm0: np.ndarray, perm1: np.ndarray, j: int) -> list[int]:
