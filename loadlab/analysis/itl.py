@@ -3,7 +3,7 @@
 A million records carry ~100M token-carrying events and ~160M per-token ITL samples: materialising those
 samples for the run and again for each SLO class took most of a 45 s summary. Here each batch of records (a
 Parquet row group) is cleaned and scanned as it is read (``scan_events``), and only each record's sums are
-kept (``RunEvents``; the events themselves only for report.html's plots):
+kept (``RunEvents``):
 
 - a histogram per *cell* (the requests that belong to the same set of scopes: the run and one class, say)
   over buckets of the value's bits (sign, exponent and 12 bits of mantissa, ~0.025 % wide), per event or
@@ -113,15 +113,9 @@ class EventSource:
 
     def _read_pilot(self) -> dict[int, _Cleaned]:
         which = self.pilot_indices()
-        out = {}
-        for i, (row0, batch) in zip(which, self.numbered(which), strict=True):
-            if isinstance(batch, _Chunk):  # kept from a reading: cleaned already
-                out[i] = _Cleaned(batch, None)
-                continue
-            chunk, rows = _cleaned(batch, keep_times=True)
-            chunk.row0 = row0
-            out[i] = _Cleaned(chunk, rows)
-        return out
+        return {
+            i: _Cleaned(*_chunk_of(item, True)) for i, item in zip(which, self.numbered(which), strict=True)
+        }
 
     def with_pilot(self) -> Iterator[tuple[int, Any]]:
         """Every batch, each with its first record's place; the pilot's as they were cleaned (not read twice)."""
@@ -160,7 +154,7 @@ class RunEvents:
     @classmethod
     def of_batches(cls, batches: Iterable[EventBatch], keep_times: bool = False) -> RunEvents:
         """From batches of whole records in the run's order, every chunk kept. ``keep_times``: also keep every
-        event's receipt time and tokens (``times``; the report's timeline). Batches are cleaned two at a time
+        event's receipt time and tokens (``seconds``: the report's timeline). Batches are cleaned two at a time
         in native threads where there are any (numpy's loops release the GIL), kept in order."""
 
         def numbered():
@@ -217,7 +211,7 @@ class _Job:
     sample: bool = False
 
 
-# Each record's send time (s), the timeline's origin and its number of seconds (``html.timeline_span``).
+# Each record's send time (s), the timeline's origin and its number of seconds (``html.timeline_of``).
 Timeline = tuple[np.ndarray, float, int]
 
 
@@ -258,20 +252,26 @@ def _read(
     return _Read(events or RunEvents(chunks), passed, seconds, sample)
 
 
-def _work(numbered: tuple[int, Any], job: _Job, keep_times: bool):
+def _chunk_of(numbered: tuple[int, Any], keep_times: bool) -> tuple[_Chunk, tuple[np.ndarray, ...] | None]:
+    """A batch's chunk, placed in the run, and its records' arrays (None for a chunk kept from a reading)."""
     row0, batch = numbered
     if isinstance(batch, _Chunk):
-        chunk, rows = batch, None
-    elif isinstance(batch, _Cleaned):
-        chunk, rows = batch.chunk, batch.rows
-    else:
-        chunk, rows = _cleaned(batch, keep_times or job.timeline is not None)
-        chunk.row0 = row0
+        return batch, None
+    if isinstance(batch, _Cleaned):
+        return batch.chunk, batch.rows
+    chunk, rows = _cleaned(batch, keep_times)
+    chunk.row0 = row0
+    return chunk, rows
+
+
+def _work(numbered: tuple[int, Any], job: _Job, keep_times: bool):
+    chunk, rows = _chunk_of(numbered, keep_times or job.timeline is not None)
     scan = job.scan
-    parts = scan.parts(chunk, job.plan) if scan is not None and job.plan else {}
+    cell = scan.event_cells(chunk) if scan is not None and (job.plan or job.sample) else None
+    parts = scan.parts(chunk, job.plan, cell) if job.plan else {}
     tokens = _tokens_per_second(chunk, *job.timeline) if job.timeline is not None else None
-    drawn = scan.sample(chunk) if job.sample and scan is not None else None
-    if not keep_times and not isinstance(batch, _Chunk):  # receipt times wanted for this pass only
+    drawn = scan.sample(chunk, cell) if job.sample else None
+    if not keep_times and not isinstance(numbered[1], _Chunk):  # receipt times wanted for this pass only
         chunk.ms = chunk.all_tok = chunk.lengths = None
     return chunk, rows, parts, tokens, drawn
 
@@ -336,7 +336,7 @@ def _narrow(tok: np.ndarray) -> np.ndarray:
 class Pooled:
     """A metric's samples over a scope's events, not held one by one: their count, mean, standard deviation
     and the exact percentiles asked for (0 and 100 are the minimum and maximum), and a uniform draw of them
-    for a plot (``draw``; where the events were kept)."""
+    for a plot (``draw``: from the scan's sample of events)."""
 
     count: int
     mean: float | None
@@ -569,14 +569,13 @@ class _Scan:
                 self.scope_rate[weighted, tuple(mine)] = rate
                 self.rate[mine] = np.maximum(self.rate[mine], rate)
 
-    def sample(self, c: _Chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """A chunk's events in the plot sample, each with its cell's rate (seeded by the chunk's place: a
-        report is the same each time it is made)."""
+    def sample(self, c: _Chunk, cell: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """A chunk's events (``cell``: each one's cell) in the plot sample, each with its cell's rate (seeded
+        by the chunk's place: a report is the same each time it is made)."""
         n = c.gaps.size
         if not n or not self.rate.any():
             return None
         rng = np.random.default_rng([c.row0, 7])
-        cell = self.event_cells(c)
         full = self.rate >= 1
         picked = [np.flatnonzero(full[cell])] if full.any() else []  # cells drawn whole
         low = float(self.rate[~full].max()) if (~full).any() else 0.0
@@ -613,13 +612,12 @@ class _Scan:
     def event_cells(self, c: _Chunk) -> np.ndarray:
         return np.repeat(self.cells[c.row0 : c.row0 + c.rows].astype(self.narrow), c.later)
 
-    def parts(self, c: _Chunk, plan: dict[bool, _Step]) -> dict[bool, _Part]:
-        """A batch's share of a pass (in a worker thread)."""
+    def parts(self, c: _Chunk, plan: dict[bool, _Step], cell: np.ndarray) -> dict[bool, _Part]:
+        """A batch's share of a pass (in a worker thread; ``cell``: each event's cell)."""
         n = c.gaps.size
         if not n:
             return {}
         bufs = _buffers(n)
-        cell = self.event_cells(c)
         out = {}
         for weighted, step in plan.items():
             part = out[weighted] = _Part()

@@ -232,8 +232,8 @@ class Labels:
 
     def present(self, rows: np.ndarray) -> set[str]:
         """The values of the records ``rows`` selects (none counted out)."""
-        used = np.unique(self.codes[rows & self.named])
-        return {name for name, i in self.code.items() if i in set(used.tolist())}
+        used = set(np.unique(self.codes[rows & self.named]).tolist())
+        return {name for name, i in self.code.items() if i in used}
 
 
 def _objects(df: pd.DataFrame, col: str) -> list[Any]:
