@@ -410,6 +410,20 @@ def _brute_force(workload, indices) -> np.ndarray:
             },
             400,
         ),  # fmt: skip
+        # Groups 1500 apart share their system prompt's first word; a single group's questions repeat their
+        # first lead word from its 1501st request on (a one-word question: the whole prompt but its last token).
+        (
+            {"kind": "shared_prefix", "num_groups": NUM_WORDS + 3, "system_prompt_len": 3, "question_len": 2},
+            NUM_WORDS + 100,
+        ),  # fmt: skip
+        (
+            {"kind": "shared_prefix", "num_groups": 1, "system_prompt_len": 3, "question_len": 1},
+            NUM_WORDS + 50,
+        ),
+        (
+            {"kind": "shared_prefix", "num_groups": 1, "system_prompt_len": 3, "question_len": 3},
+            NUM_WORDS + 50,
+        ),
         # Beyond 1500 requests the first lead word repeats: one token shared from index 1500 on.
         ({"kind": "random_prefix", "input_len": 6}, NUM_WORDS + 300),
         ({"kind": "random_prefix", "input_len_range": [2, 3]}, NUM_WORDS + 300),
@@ -418,6 +432,16 @@ def _brute_force(workload, indices) -> np.ndarray:
 def test_reusable_prefix_is_exact(workload, n):
     w = build_workload(validate_profile({"seed": 5, "workload": {**workload, "output_len": 4}}))
     assert w.reusable_prefix(range(n)).tolist() == _brute_force(w, range(n)).tolist()
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.4])
+def test_reusable_prefix_of_bench_servings_shared_prefix_is_exact(ratio):
+    """bench_serving's generated-shared-prefix in bulk (each round's shuffle, lengths drawn from their ranges
+    by bulk_rng) against the prompts themselves, over several rounds."""
+    w = build_workload(validate_profile({"seed": 11, "workload": {"kind": "generated-shared-prefix",
+        "gsp_num_groups": 3, "gsp_prompts_per_group": 4, "gsp_system_prompt_len": 12, "gsp_question_len": 5,
+        "gsp_output_len": 4, "gsp_range_ratio": ratio}}))  # fmt: skip
+    assert w.reusable_prefix(range(150)).tolist() == _brute_force(w, range(150)).tolist()
 
 
 def test_reusable_prefix_of_rag_misses_only_chance_coincidences():
@@ -469,6 +493,25 @@ def test_bulk_first_draws_equal_numpys_generators():
     for prefix, suffix in (([123], [13]), ([2**64 - 5], [13]), ([0], [0]), ([7, 2**40], [1, 2, 3])):
         got = first_doubles(prefix, indices, suffix, 6)
         want = np.array([np.random.default_rng([*prefix, int(i), *suffix]).random(6) for i in indices])
+        assert np.array_equal(got, want)
+
+
+def test_bulk_integers_equal_numpys_generators():
+    """``first_integers``: successive ``integers(low, high + 1)`` of each request's generator, rejections
+    (a range just under 2^32 wide) and empty ranges included, indices above 2^32 drawn by numpy itself."""
+    from loadlab.workload.bulk_rng import first_integers
+
+    rng = np.random.default_rng(3)
+    indices = np.concatenate([np.arange(300), rng.integers(0, 2**32 - 1, 300), [2**32 - 1, 2**32, 2**40]])
+    for prefix, suffix, ranges in (
+        ([7], [61], [(0, 9)]),
+        ([2**63], [3], [(1, 1000), (5, 5), (3, 2**31)]),
+        ([1], [2], [(0, 2**32 - 2), (10, 11), (0, 6)]),
+        ([3], [4], [(0, 2)] * 9),
+    ):
+        got = first_integers(prefix, indices, suffix, ranges)
+        gens = [np.random.default_rng([*prefix, int(i), *suffix]) for i in indices]
+        want = np.array([[g.integers(low, high + 1) for low, high in ranges] for g in gens])
         assert np.array_equal(got, want)
 
 

@@ -19,6 +19,7 @@ import functools
 import numpy as np
 
 from loadlab.profile import GeneratedSharedPrefixWorkloadConfig, Profile, RandomWorkloadConfig
+from loadlab.workload.bulk_rng import first_integers
 from loadlab.workload.generators import (
     RandomPrefixGenerator,
     SharedPrefixGenerator,
@@ -116,6 +117,34 @@ class GeneratedSharedPrefixGenerator(SharedPrefixGenerator):
     def question_number(self, index: int) -> int:
         round_, slot = self._slot(index)
         return round_ * self.per_group + slot % self.per_group
+
+    def _slots(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``_slot`` of many indices: their rounds and slots (each round's permutation made once)."""
+        rounds, positions = np.divmod(indices, self.round_size)
+        slots = np.empty(indices.size, dtype=np.int64)
+        order = np.argsort(rounds, kind="stable")
+        distinct, starts = np.unique(rounds[order], return_index=True)
+        for r, mine in zip(distinct.tolist(), np.split(order, starts[1:]), strict=True):
+            slots[mine] = self._make_order(r)[positions[mine]]
+        return rounds, slots
+
+    def groups_of(self, indices: np.ndarray) -> np.ndarray:
+        return self._slots(indices)[1] // self.per_group
+
+    def question_numbers(self, indices: np.ndarray) -> np.ndarray:
+        rounds, slots = self._slots(indices)
+        return rounds * self.per_group + slots % self.per_group
+
+    def question_lens(self, indices: np.ndarray) -> np.ndarray:
+        w: GeneratedSharedPrefixWorkloadConfig = self.config
+        if w.gsp_range_ratio == 1:
+            return np.full(indices.size, w.gsp_question_len, dtype=np.int64)
+        # ``lengths``' two draws (a range of one length draws nothing, as ``_draw`` doesn't).
+        ranges = [
+            length_range(w.gsp_question_len, w.gsp_range_ratio),
+            length_range(w.gsp_output_len, w.gsp_range_ratio),
+        ]
+        return first_integers([self._s], indices, [_SALT_GSP_LENGTHS], ranges)[:, 0]
 
     def _make_system_len(self, group: int) -> int:
         w: GeneratedSharedPrefixWorkloadConfig = self.config

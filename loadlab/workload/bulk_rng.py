@@ -5,8 +5,8 @@ pure function of its index. Building a million such generators one at a time cos
 SeedSequence in Python); a bound that needs every request's first few draws (the RAG workload's cache hits,
 ``RagGenerator.reusable_prefix``) then costs seconds. Here numpy's SeedSequence (the entropy pool's hash and
 mix) and PCG64 (its 128-bit LCG and XSL-RR output) are computed for all indices together in numpy's integer
-arithmetic, bit for bit: ``first_doubles`` equals ``default_rng([...]).random(n)`` row by row
-(tests/test_workload.py checks it against numpy).
+arithmetic, bit for bit: ``first_doubles`` equals ``default_rng([...]).random(n)`` row by row, and
+``first_integers`` its ``integers(low, high + 1)`` calls (tests/test_verdicts.py checks both against numpy).
 """
 
 from __future__ import annotations
@@ -100,11 +100,12 @@ def _step(hi, lo, inc_hi, inc_lo):
     return new_hi + inc_hi + carry, out_lo
 
 
-def first_doubles(prefix: Sequence[int], indices: np.ndarray, suffix: Sequence[int], n: int) -> np.ndarray:
-    """Row i: the first ``n`` of ``numpy.random.default_rng([*prefix, indices[i], *suffix]).random()``."""
+def first_words(prefix: Sequence[int], indices: np.ndarray, suffix: Sequence[int], n: int) -> np.ndarray:
+    """Row i: the first ``n`` 64-bit outputs of ``numpy.random.default_rng([*prefix, indices[i], *suffix])``'s
+    PCG64 (``bit_generator.random_raw(n)``)."""
     indices = np.asarray(indices, dtype=np.uint64)
     if indices.size and int(indices.max()) > 0xFFFFFFFF:
-        raise ValueError("first_doubles: indices above 2^32 - 1 take two seed words")
+        raise ValueError("bulk_rng: indices above 2^32 - 1 take two seed words")
     entropy = [*(w for p in prefix for w in _words(p)), indices, *(w for s in suffix for w in _words(s))]
     with np.errstate(over="ignore"):
         seed_hi, seed_lo, inc_hi, inc_lo = _state64(_pool(entropy), 4)
@@ -121,11 +122,63 @@ def first_doubles(prefix: Sequence[int], indices: np.ndarray, suffix: Sequence[i
         lo2 = lo + seed_lo
         hi = hi + seed_hi + (lo2 < lo).astype(np.uint64)
         hi, lo = _step(hi, lo2, inc_hi, inc_lo)
-        out = np.empty((*shape, n))
+        out = np.empty((*shape, n), dtype=np.uint64)
         for j in range(n):
             hi, lo = _step(hi, lo, inc_hi, inc_lo)
-            # XSL-RR: (hi ^ lo) rotated right by the state's top 6 bits; a double from its top 53 bits.
+            # XSL-RR: (hi ^ lo) rotated right by the state's top 6 bits.
             x, rot = hi ^ lo, hi >> np.uint64(58)
-            word = (x >> rot) | (x << ((np.uint64(64) - rot) & np.uint64(63)))
-            out[..., j] = (word >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+            out[..., j] = (x >> rot) | (x << ((np.uint64(64) - rot) & np.uint64(63)))
+    return out
+
+
+def first_doubles(prefix: Sequence[int], indices: np.ndarray, suffix: Sequence[int], n: int) -> np.ndarray:
+    """Row i: the first ``n`` of ``numpy.random.default_rng([*prefix, indices[i], *suffix]).random()``."""
+    # A double from a word's top 53 bits.
+    return (first_words(prefix, indices, suffix, n) >> np.uint64(11)).astype(np.float64) * (
+        1.0 / 9007199254740992.0
+    )
+
+
+def first_integers(
+    prefix: Sequence[int], indices: np.ndarray, suffix: Sequence[int], ranges: Sequence[tuple[int, int]]
+) -> np.ndarray:
+    """Row i, column j: the j-th of ``[rng.integers(low, high + 1) for low, high in ranges]`` drawn in turn
+    from ``rng = numpy.random.default_rng([*prefix, indices[i], *suffix])`` (inclusive ranges under 2^32 wide;
+    an empty range ``low == high`` draws nothing, as numpy's doesn't).
+
+    numpy draws such an integer from the generator's next 32-bit half-word (the low half of a 64-bit output
+    first) by Lemire's multiply-and-reject; a row whose draws are rejected more often than the spare words
+    allow (about one in 2^32 / width), or whose index takes two seed words (above 2^32 - 1), is drawn by numpy
+    itself."""
+    indices = np.asarray(indices, dtype=np.int64)
+    for low, high in ranges:
+        if not 0 <= high - low < 0xFFFFFFFF:
+            raise ValueError(f"first_integers: the range {low}..{high} is not 1 to 2^32 - 1 wide")
+    spare = 4  # half-words for rejections
+    short = (indices < 0) | (indices > 0xFFFFFFFF)
+    words = first_words(prefix, np.where(short, 0, indices), suffix, (len(ranges) + spare + 1) // 2)
+    halves = np.empty((indices.size, 2 * words.shape[1]), dtype=np.uint64)
+    halves[:, 0::2], halves[:, 1::2] = words & _M32, words >> np.uint64(32)
+    out = np.empty((indices.size, len(ranges)), dtype=np.int64)
+    taken = np.zeros(indices.size, dtype=np.int64)  # each row's half-words used
+    rows = np.arange(indices.size)
+    for j, (low, high) in enumerate(ranges):
+        width = high - low + 1
+        if width == 1:
+            out[:, j] = low
+            continue
+        threshold = np.uint64((0x100000000 - width) % width)
+        pending = rows[~short]
+        while pending.size:
+            fits = taken[pending] < halves.shape[1]
+            short[pending[~fits]] = True
+            pending = pending[fits]
+            m = halves[pending, taken[pending]] * np.uint64(width)
+            taken[pending] += 1
+            kept = (m & _M32) >= threshold
+            out[pending[kept], j] = low + (m[kept] >> np.uint64(32)).astype(np.int64)
+            pending = pending[~kept]
+    for row in np.flatnonzero(short).tolist():
+        rng = np.random.default_rng([*prefix, int(indices[row]), *suffix])
+        out[row] = [rng.integers(low, high + 1) for low, high in ranges]
     return out

@@ -28,7 +28,7 @@ from loadlab.profile import (
     RagWorkloadConfig,
     RandomPrefixWorkloadConfig,
 )
-from loadlab.workload.bulk_rng import first_doubles
+from loadlab.workload.bulk_rng import first_doubles, first_integers
 from loadlab.workload.spec import RequestSpec
 from loadlab.workload.words import NUM_WORDS
 
@@ -310,33 +310,48 @@ class SharedPrefixGenerator(WorkloadGenerator):
         ids = np.concatenate([self.system_prompt(group), question]).tolist()
         return RequestSpec(index=index, input_ids=tuple(ids), max_new_tokens=output_len, prefix_group=group)
 
-    def _reusable_prefix(self, indices: list[int]) -> list[int]:
+    # The same hooks for many indices at once (the cache-hit bound over a whole run).
+    def groups_of(self, indices: np.ndarray) -> np.ndarray:
+        if self.config.group_order == "random":
+            return first_integers([self._s], indices, [_SALT_GSP_GROUP], [(0, self.config.num_groups - 1)])[
+                :, 0
+            ]
+        return indices % self.config.num_groups
+
+    def question_numbers(self, indices: np.ndarray) -> np.ndarray:
+        return indices // self.config.num_groups if self.config.group_order == "round_robin" else indices
+
+    def system_lens(self, groups: np.ndarray) -> np.ndarray:
+        distinct, which = np.unique(groups, return_inverse=True)
+        return np.array([self.system_len(g) for g in distinct.tolist()], dtype=np.int64)[which.ravel()]
+
+    def question_lens(self, indices: np.ndarray) -> np.ndarray:
+        return np.full(indices.size, self.config.question_len, dtype=np.int64)
+
+    def reusable_prefix(self, indices: Sequence[int]) -> np.ndarray:
         # An earlier request of the group shares the system prompt, and one or both lead words of the question
         # when its number agrees modulo W (or W*W); another group whose number agrees modulo W shares the
-        # system prompt's first word only.
+        # system prompt's first word only. In bulk: "earlier" is "not the first with that key".
         W = NUM_WORDS
-        groups: set[int] = set()
-        first_words: set[int] = set()
-        # (group, 1 or 2 lead words, the question number modulo W or W*W)
-        leads: set[tuple[int, int, int]] = set()
-        out = []
-        for index in indices:
-            group = self.group_of(index)
-            nth = self.question_number(index)
-            system_len, (question_len, _) = self.system_len(group), self.lengths(index)
-            if group in groups:
-                shared = system_len
-                if (group, 2, nth % (W * W)) in leads and question_len >= 2:
-                    shared += 2
-                elif (group, 1, nth % W) in leads:
-                    shared += 1
-            else:
-                shared = 1 if group % W in first_words else 0
-            out.append(min(shared, system_len + question_len - 1))
-            groups.add(group)
-            first_words.add(group % W)
-            leads.update(((group, 1, nth % W), (group, 2, nth % (W * W))))
-        return out
+        indices = np.asarray(indices, dtype=np.int64)
+        if not indices.size:
+            return np.zeros(0, dtype=np.int64)
+        group, nth = self.groups_of(indices), self.question_numbers(indices)
+        system_len, question_len = self.system_lens(group), self.question_lens(indices)
+        lead = np.where(
+            repeated(group * (W * W) + nth % (W * W)) & (question_len >= 2),
+            2,
+            repeated(group * W + nth % W).astype(np.int64),
+        )
+        shared = np.where(repeated(group), system_len + lead, repeated(group % W).astype(np.int64))
+        return np.minimum(shared, system_len + question_len - 1)
+
+
+def repeated(keys: np.ndarray) -> np.ndarray:
+    """For each key, whether an earlier one equals it (True but for each value's first place)."""
+    out = np.ones(len(keys), dtype=bool)
+    out[np.unique(keys, return_index=True)[1]] = False
+    return out
 
 
 class RandomPrefixGenerator(WorkloadGenerator):
@@ -393,9 +408,7 @@ class RandomPrefixGenerator(WorkloadGenerator):
         indices = np.asarray(indices, dtype=np.int64)
         out = np.zeros(indices.size, dtype=np.int64)
         for words, modulus in ((1, W), (2, W * W)):
-            repeated = np.ones(indices.size, dtype=bool)
-            repeated[np.unique(indices % modulus, return_index=True)[1]] = False
-            out[repeated] = words
+            out[repeated(indices % modulus)] = words
         # At most the prompt less one token (the server computes the last): only prompts this short.
         for pos in np.flatnonzero(out >= self.shortest_input()).tolist():
             n_in = self.lengths(_rng(self._s, int(indices[pos]), self.salt_request))[0]
