@@ -55,6 +55,41 @@ def test_system_prompts_are_per_group_and_share_nothing_between_groups():
     assert build_workload(profile({"system_prompt_len": 0})).spec(0).prefix_group is None
 
 
+@pytest.mark.parametrize(
+    "workload",
+    [{"num_system_prompts": 3}, {"user_len_range": [4, 9], "output_len_range": [3, 3], "turns": 4}],
+)
+def test_the_cache_hit_bound_is_each_turns_history_from_the_specs(workload):
+    """The bound (computed in bulk) against its definition from the specs themselves: a turn whose previous
+    turn is among the indices shares that turn's prompt and reply but its last token; else the system prompt
+    with an earlier request of the same one. For a run's order and for subsets with gaps."""
+    w = build_workload(profile(workload))
+    turns = w.turns
+    specs = {i: w.spec(i) for i in range(600)}
+
+    def prompt_len(i):  # the history's length at request i: every turn's own part and every earlier reply
+        first = i - i % turns
+        return sum(specs[j].input_len for j in range(first, i + 1)) + sum(
+            specs[j].max_new_tokens for j in range(first, i)
+        )
+
+    for indices in (
+        list(range(600)),
+        [i for i in range(600) if i % 5],
+        sorted(np.random.default_rng(4).choice(600, 150, replace=False).tolist()),
+    ):
+        present, groups, truth = set(indices), set(), []
+        for i in indices:
+            group = specs[i].prefix_group
+            if i % turns and i - 1 in present:
+                shared = prompt_len(i - 1) + specs[i - 1].max_new_tokens - 1
+            else:
+                shared = 64 if group in groups else 0
+            truth.append(min(shared, prompt_len(i) - 1))
+            groups.add(group)
+        assert w.reusable_prefix(indices).tolist() == truth
+
+
 # ---------------------------------------------------------------- the wire
 
 

@@ -18,13 +18,23 @@ user sends turn t + 1 only after turn t's reply has ended and ``think_time_s`` h
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from loadlab.profile import ConversationWorkloadConfig, Profile
-from loadlab.workload.generators import WorkloadGenerator, _cache_size, _lead_pair, _rng, _words, register
+from loadlab.workload.bulk_rng import first_integers
+from loadlab.workload.generators import (
+    WorkloadGenerator,
+    _cache_size,
+    _lead_pair,
+    _rng,
+    _words,
+    register,
+    repeated,
+)
 from loadlab.workload.spec import RequestSpec
 from loadlab.workload.text import Renderer
 from loadlab.workload.words import NUM_WORDS
@@ -96,38 +106,45 @@ class ConversationGenerator(WorkloadGenerator):
             think_time_s=w.think_time_s if t0 else 0.0,
         )
 
-    def _reusable_prefix(self, indices: list[int]) -> list[int]:
+    def lengths_of(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``_draws``' user message and output lengths for many indices at once (``bulk_rng``)."""
+        w: ConversationWorkloadConfig = self.config
+        fixed = {"user": w.user_len_range is None, "output": w.output_len_range is None}
+        ranges = [r for r in (w.user_len_range, w.output_len_range) if r is not None]
+        drawn = iter(first_integers([self._s], indices, [_SALT_CONV_TURN], ranges).T if ranges else ())
+        n_user = np.full(indices.size, w.user_len, dtype=np.int64) if fixed["user"] else next(drawn)
+        n_out = np.full(indices.size, w.output_len, dtype=np.int64) if fixed["output"] else next(drawn)
+        return n_user, n_out
+
+    def reusable_prefix(self, indices: Sequence[int]) -> np.ndarray:
         # A turn shares with the session's previous turn that turn's prompt and its reply but the reply's last
-        # token (which never had KV): the previous request left them in the cache. A first turn shares the
-        # system prompt with an earlier session that has the same one. The replies are taken to be
-        # max_new_tokens long, which holds only when EOS is ignored.
+        # token (which never had KV): the previous request left them in the cache. A first turn (or a turn
+        # whose previous one is not among ``indices``) shares the system prompt with an earlier request of
+        # the same one. The replies are taken to be max_new_tokens long, which holds only when EOS is ignored.
         w: ConversationWorkloadConfig = self.config
         if not w.ignore_eos:
             raise ValueError("the replies' lengths are not known before the run when EOS is not ignored")
-        present = set(indices)
-        walked: dict[int, tuple[int, int, int]] = {}  # session -> (turn index, its prompt length, its output)
-        groups: set[int] = set()
-        out = []
-        for index in indices:
-            session, t0 = divmod(index, self.turns)
-            prev = None
-            k, prompt, output = walked.get(session, (-1, 0, 0))
-            while k < t0:  # the prompt lengths of the session's turns up to this one
-                k += 1
-                _, n_user, n_out = self._draws(session * self.turns + k)
-                if k == t0:
-                    prev = (prompt, output)
-                prompt = prompt + output + n_user + (w.system_prompt_len if k == 0 else 0)
-                output = n_out
-            walked[session] = (k, prompt, output)
-            group = session % w.num_system_prompts
-            if t0 and index - 1 in present and prev is not None:
-                shared = prev[0] + prev[1] - 1
-            else:
-                shared = w.system_prompt_len if group in groups else 0
-            out.append(min(shared, prompt - 1))
-            groups.add(group)
-        return out
+        indices = np.asarray(indices, dtype=np.int64)
+        if not indices.size:
+            return np.zeros(0, dtype=np.int64)
+        session, turn = np.divmod(indices, self.turns)
+        # Every turn of each session up to its last among ``indices``, for the prompt lengths before it.
+        sessions, which = np.unique(session, return_inverse=True)
+        which = which.ravel()
+        span = np.zeros(sessions.size, dtype=np.int64)
+        np.maximum.at(span, which, turn + 1)
+        start = np.zeros(sessions.size, dtype=np.int64)
+        np.cumsum(span[:-1], out=start[1:])
+        k = np.arange(int(span.sum())) - np.repeat(start, span)
+        n_user, n_out = self.lengths_of(np.repeat(sessions, span) * self.turns + k)
+        # Turn k's prompt: the system prompt, every user message up to k and every reply before it.
+        before = np.cumsum(n_user + n_out) - n_out
+        prompt = w.system_prompt_len + before - np.repeat(before[start] - n_user[start], span)
+        at = start[which] + turn  # each index's turn among them
+        previous = (turn > 0) & np.isin(indices - 1, indices)
+        first = np.where(repeated(session % w.num_system_prompts), w.system_prompt_len, 0)
+        shared = np.where(previous, prompt[at - 1] + n_out[at - 1] - 1, first)
+        return np.minimum(shared, prompt[at] - 1)
 
 
 @dataclass(frozen=True, slots=True)
