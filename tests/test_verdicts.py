@@ -515,6 +515,23 @@ def test_bulk_integers_equal_numpys_generators():
         assert np.array_equal(got, want)
 
 
+def test_bulk_permutations_and_shuffled_rounds_equal_numpys():
+    """``permutations`` (short ones in bulk, long ones by numpy) and ``shuffled`` (each index's place in its
+    round's permutation) against numpy's generators, rejections and a two-word index included."""
+    from loadlab.workload.bulk_rng import permutations
+    from loadlab.workload.generators import shuffled
+
+    indices = np.concatenate([np.arange(200), [2**32 - 1, 2**32 + 5]])
+    for n in (1, 2, 3, 10, 255, 256, 300):
+        want = np.array([np.random.default_rng([5, int(i), 71]).permutation(n) for i in indices])
+        assert np.array_equal(permutations([5], indices, [71], n), want)
+    for n in (10, 300):
+        scattered = np.unique(np.random.default_rng(1).integers(0, 50 * n, 400))
+        rounds, places = shuffled(scattered, n, [9], [71])
+        want = [np.random.default_rng([9, int(i) // n, 71]).permutation(n)[int(i) % n] for i in scattered]
+        assert np.array_equal(rounds, scattered // n) and places.tolist() == want
+
+
 def test_reusable_prefix_with_classes_counts_each_workload_alone():
     base = {
         "kind": "shared_prefix",

@@ -17,6 +17,7 @@ from loadlab.client.protocol import build_body
 from loadlab.profile import ProfileError, load_profile, validate_profile
 from loadlab.sim.tokenize import Tokenizer as TwinTokenizer
 from loadlab.workload import WORDS, Renderer, build_workload, workload_source
+from loadlab.workload.datasets import common_prefix
 
 REPO = Path(__file__).resolve().parents[1]
 needs_tokenizers = pytest.mark.skipif(
@@ -163,6 +164,21 @@ def test_reusable_prefix_is_the_longest_shared_with_an_earlier_prompt(tmp_path):
     )])  # fmt: skip
     # -, a b, -, a b c d, the whole "q r s" but the last token (the server computes it)
     assert dataset(f).reusable_prefix(range(5)).tolist() == [0, 2, 0, 4, 2]
+
+
+@pytest.mark.parametrize("sample", ["sequential", "without_replacement", "with_replacement"])
+def test_the_bound_over_several_rounds_is_the_longest_prefix_of_any_earlier_prompt(tmp_path, sample):
+    """Each sampling replays entries again over rounds (computed in bulk); the bound is each prompt's longest
+    prefix shared with an earlier one among the indices, but its last token, for a run and a subset."""
+    rnd = random.Random(5)
+    stems = [" ".join(rnd.choice(WORDS[:4]) for _ in range(rnd.randint(1, 6))) for _ in range(12)]
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "output_len": 1} for p in stems])
+    w = dataset(f, sample=sample, seed=7)
+    for indices in (list(range(40)), [i for i in range(40) if i % 3]):
+        prompts = [w.spec(i).input_ids for i in indices]
+        truth = [max(0, min(max((common_prefix(p, q) for q in prompts[:n]), default=0), len(p) - 1))
+                 for n, p in enumerate(prompts)]  # fmt: skip
+        assert w.reusable_prefix(indices).tolist() == truth
 
 
 @pytest.mark.parametrize(("rows", "message"), [

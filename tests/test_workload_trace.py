@@ -68,16 +68,23 @@ def test_equal_hash_ids_share_their_blocks_exactly(tmp_path):
     assert src.repeated_token_share == pytest.approx(2048 / 4600)
 
 
-def test_the_structural_bound_is_the_prompts_own(tmp_path):
-    # reusable_prefix reads the hash ids; compare with the longest prefix each prompt really shares.
-    w = trace_workload(SAMPLE)
-    specs = [w.spec(i) for i in range(80)]
-    brute = [0] + [min(max(common_prefix(s.input_ids, e.input_ids) for e in specs[:i]), s.input_len - 1)
-                   for i, s in enumerate(specs) if i]  # fmt: skip
-    got = w.reusable_prefix(range(80)).tolist()
-    # The structure knows no chance agreement of a token or two after a shared prefix.
-    assert all(0 <= b - g <= 2 for g, b in zip(got, brute, strict=True)), list(zip(got, brute, strict=True))
-    assert sum(got) > 0.5 * sum(s.input_len for s in specs)
+@pytest.mark.parametrize("lines", [200, 30])
+def test_the_structural_bound_is_the_prompts_own(tmp_path, lines):
+    # reusable_prefix reads the hash ids; compare with the longest prefix each prompt really shares. A trace
+    # of 30 lines is replayed 2.5 times (a line's later replays share its blocks, not its own tail), in a
+    # run's order and a subset with gaps.
+    path = write_trace(tmp_path / "t.jsonl", SAMPLE.read_text().splitlines()[:lines])
+    w = trace_workload(path)
+    for indices in (list(range(75 if lines == 30 else 80)), [i for i in range(75) if i % 4 != 1]):
+        specs = [w.spec(i) for i in indices]
+        brute = [0] + [min(max(common_prefix(s.input_ids, e.input_ids) for e in specs[:i]), s.input_len - 1)
+                       for i, s in enumerate(specs) if i]  # fmt: skip
+        got = w.reusable_prefix(indices).tolist()
+        # The structure knows no chance agreement of a token or two after a shared prefix.
+        assert all(0 <= b - g <= 2 for g, b in zip(got, brute, strict=True)), list(
+            zip(got, brute, strict=True)
+        )
+        assert sum(got) > 0.5 * sum(s.input_len for s in specs)
 
 
 @pytest.mark.parametrize(("row", "message"), [

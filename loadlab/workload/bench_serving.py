@@ -25,6 +25,7 @@ from loadlab.workload.generators import (
     SharedPrefixGenerator,
     _rng,
     register,
+    shuffled,
 )
 from loadlab.workload.words import NUM_WORDS
 
@@ -119,14 +120,8 @@ class GeneratedSharedPrefixGenerator(SharedPrefixGenerator):
         return round_ * self.per_group + slot % self.per_group
 
     def _slots(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``_slot`` of many indices: their rounds and slots (each round's permutation made once)."""
-        rounds, positions = np.divmod(indices, self.round_size)
-        slots = np.empty(indices.size, dtype=np.int64)
-        order = np.argsort(rounds, kind="stable")
-        distinct, starts = np.unique(rounds[order], return_index=True)
-        for r, mine in zip(distinct.tolist(), np.split(order, starts[1:]), strict=True):
-            slots[mine] = self._make_order(r)[positions[mine]]
-        return rounds, slots
+        """``_slot`` of many indices: their rounds and slots."""
+        return shuffled(indices, self.round_size, [self._s], [_SALT_GSP_ORDER])
 
     def groups_of(self, indices: np.ndarray) -> np.ndarray:
         return self._slots(indices)[1] // self.per_group

@@ -182,3 +182,47 @@ def first_integers(
         rng = np.random.default_rng([*prefix, int(indices[row]), *suffix])
         out[row] = [rng.integers(low, high + 1) for low, high in ranges]
     return out
+
+
+SHORT = 256  # permutations up to this long are made in bulk
+
+
+def permutations(prefix: Sequence[int], indices: np.ndarray, suffix: Sequence[int], n: int) -> np.ndarray:
+    """Row i: ``numpy.random.default_rng([*prefix, indices[i], *suffix]).permutation(n)``.
+
+    numpy shuffles ``arange(n)`` by Fisher-Yates from the last place down, each place's partner drawn from the
+    next 32-bit half-words masked to the place's bit length, a draw above the place rejected. Done here for
+    all rows together when ``n`` is small (a permutation then costs a generator's making, ~20 µs in numpy);
+    a row whose rejections outrun the spare words, or whose index takes two seed words, is numpy's own."""
+    indices = np.asarray(indices, dtype=np.int64)
+    if n > SHORT or not indices.size:  # long permutations amortise numpy's generator
+        return np.array(
+            [np.random.default_rng([*prefix, int(i), *suffix]).permutation(n) for i in indices.tolist()],
+            dtype=np.int64,
+        ).reshape(indices.size, n)
+    short = (indices < 0) | (indices > 0xFFFFFFFF)
+    words = first_words(prefix, np.where(short, 0, indices), suffix, n + 8)
+    halves = np.empty((indices.size, 2 * words.shape[1]), dtype=np.uint64)
+    halves[:, 0::2], halves[:, 1::2] = words & _M32, words >> np.uint64(32)
+    out = np.broadcast_to(np.arange(n, dtype=np.int64), (indices.size, n)).copy()
+    taken = np.zeros(indices.size, dtype=np.int64)
+    rows = np.arange(indices.size)
+    for place in range(n - 1, 0, -1):
+        mask = np.uint64((1 << place.bit_length()) - 1)
+        partner = np.zeros(indices.size, dtype=np.int64)
+        pending = rows[~short]
+        while pending.size:
+            fits = taken[pending] < halves.shape[1]
+            short[pending[~fits]] = True
+            pending = pending[fits]
+            value = (halves[pending, taken[pending]] & mask).astype(np.int64)
+            taken[pending] += 1
+            kept = value <= place
+            partner[pending[kept]] = value[kept]
+            pending = pending[~kept]
+        here = out[rows, place].copy()
+        out[rows, place] = out[rows, partner]
+        out[rows, partner] = here
+    for row in np.flatnonzero(short).tolist():
+        out[row] = np.random.default_rng([*prefix, int(indices[row]), *suffix]).permutation(n)
+    return out

@@ -23,6 +23,7 @@ import bisect
 import functools
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ import numpy as np
 
 from loadlab.profile import DatasetWorkloadConfig, Profile, ProfileError
 from loadlab.sim.tokenize import message_text, word_id
-from loadlab.workload.generators import WorkloadGenerator, _rng, register
+from loadlab.workload.bulk_rng import first_integers
+from loadlab.workload.generators import WorkloadGenerator, _rng, register, repeated, shuffled
 from loadlab.workload.spec import RequestSpec
 from loadlab.workload.text import cached_tokenizer
 
@@ -374,18 +376,31 @@ class DatasetGenerator(WorkloadGenerator):
         return RequestSpec(index=index, input_ids=e.ids, max_new_tokens=e.output_len, text=e.text,
                            messages=e.messages, raw_ids=e.raw_ids)  # fmt: skip
 
-    def _reusable_prefix(self, indices: list[int]) -> list[int]:
-        # The longest prefix shared with any earlier prompt is shared with a neighbour in sorted order: keep
-        # the earlier prompts sorted and compare with the two around the insertion point.
+    def entries_of(self, indices: np.ndarray) -> np.ndarray:
+        """``entry_of`` many indices at once."""
+        n, sample = len(self.entries), self.config.sample
+        if sample == "sequential":
+            return indices % n
+        if sample == "without_replacement":
+            return shuffled(indices, n, [self._s], [_SALT_DATASET_ORDER])[1]
+        return first_integers([self._s], indices, [_SALT_DATASET_DRAW], [(0, n - 1)])[:, 0]
+
+    def reusable_prefix(self, indices: Sequence[int]) -> np.ndarray:
+        # A replayed entry shares its whole prompt (but the last token) with its earlier replay. An entry's
+        # first replay: the longest prefix shared with any earlier prompt is shared with a neighbour in sorted
+        # order, so the earlier entries are kept sorted and compared with the two around the insertion point.
+        indices = np.asarray(indices, dtype=np.int64)
+        entry = self.entries_of(indices)
+        lengths = np.array([len(e.ids) for e in self.entries], dtype=np.int64)
+        out = np.maximum(lengths[entry] - 1, 0)
         earlier: list[tuple[int, ...]] = []
-        out = []
-        for index in indices:
-            ids = self.entries[self.entry_of(index)].ids
+        for position in np.flatnonzero(~repeated(entry)).tolist():
+            ids = self.entries[entry[position]].ids
             at = bisect.bisect_left(earlier, ids)
             best = max(
                 (common_prefix(ids, earlier[j]) for j in (at - 1, at) if 0 <= j < len(earlier)), default=0
             )
-            out.append(max(0, min(best, len(ids) - 1)))
+            out[position] = max(0, min(best, len(ids) - 1))
             earlier.insert(at, ids)
         return out
 

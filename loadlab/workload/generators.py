@@ -28,7 +28,8 @@ from loadlab.profile import (
     RagWorkloadConfig,
     RandomPrefixWorkloadConfig,
 )
-from loadlab.workload.bulk_rng import first_doubles, first_integers
+from loadlab.workload import bulk_rng
+from loadlab.workload.bulk_rng import first_doubles, first_integers, permutations
 from loadlab.workload.spec import RequestSpec
 from loadlab.workload.words import NUM_WORDS
 
@@ -104,10 +105,7 @@ class WorkloadGenerator:
         Two different random parts (passages, questions) begin with the same word only by chance (1 in
         len(WORDS)); the few tokens such a coincidence adds are not counted.
         """
-        return np.asarray(self._reusable_prefix([int(i) for i in indices]), dtype=np.int64)
-
-    def _reusable_prefix(self, indices: list[int]) -> list[int]:  # pragma: no cover - abstract
-        raise NotImplementedError
+        raise NotImplementedError  # pragma: no cover - each kind's, in bulk (a million indices in about a second)
 
     def source_info(self) -> dict | None:
         """What the manifest records of a workload read from a file (``Manifest.workload_source``)."""
@@ -190,27 +188,26 @@ class RagGenerator(WorkloadGenerator):
             prefix_group=pids[0],
         )
 
-    def _reusable_prefix(self, indices: list[int]) -> list[int]:
+    def reusable_prefix(self, indices: Sequence[int]) -> np.ndarray:
         # Any earlier request shares the instruction; one that began with the same d passages shares those
         # too (passages are in rank order, so equal leading passage ids are equal leading tokens).
         w: RagWorkloadConfig = self.config
-        if not indices:
-            return []
-        pids = self.passages_of(np.asarray(indices, dtype=np.int64))
-        position = np.arange(len(indices))
-        depth = np.zeros(len(indices), dtype=np.int64)
+        indices = np.asarray(indices, dtype=np.int64)
+        if not indices.size:
+            return np.zeros(0, dtype=np.int64)
+        pids = self.passages_of(indices)
+        depth = np.zeros(indices.size, dtype=np.int64)
         n = len(self._cdf)
-        keys = np.zeros(len(indices), dtype=np.int64)
+        keys = np.zeros(indices.size, dtype=np.int64)
         for d in range(1, self.k + 1):  # each request's first d passages: seen in an earlier request?
             if n**d < 1 << 62:  # the first d ids as one number
                 keys = keys * n + pids[:, d - 1]
-                _, first, which = np.unique(keys, return_index=True, return_inverse=True)
+                depth += repeated(keys)
             else:
-                _, first, which = np.unique(pids[:, :d], axis=0, return_index=True, return_inverse=True)
-            depth += first[which.ravel()] < position
+                depth += repeated(pids[:, :d])
         shared = np.minimum(w.instruction_len + depth * self.passage_len, w.input_len - 1)
         shared[0] = 0
-        return shared.tolist()
+        return shared
 
     def passages_of(self, indices: np.ndarray) -> np.ndarray:
         """Each request's passage ids (``draw_passages`` of its generator), for many indices at once: their
@@ -347,10 +344,30 @@ class SharedPrefixGenerator(WorkloadGenerator):
         return np.minimum(shared, system_len + question_len - 1)
 
 
+def shuffled(
+    indices: np.ndarray, round_size: int, prefix: list[int], suffix: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Requests in rounds of ``round_size``, round r shuffled by ``_rng(*prefix, r, *suffix).permutation``: each
+    index's round and place (``order[i % round_size]``), each round's permutation made once."""
+    rounds, positions = np.divmod(np.asarray(indices, dtype=np.int64), round_size)
+    distinct, which = np.unique(rounds, return_inverse=True)
+    which = which.ravel()
+    if round_size <= bulk_rng.SHORT:  # short rounds: all their permutations together
+        return rounds, permutations(prefix, distinct, suffix, round_size)[which, positions]
+    places = np.empty(rounds.size, dtype=np.int64)  # long ones: one held at a time
+    by_round = np.argsort(which, kind="stable")
+    for k, mine in enumerate(
+        np.split(by_round, np.searchsorted(which[by_round], np.arange(1, distinct.size)))
+    ):
+        places[mine] = permutations(prefix, distinct[k : k + 1], suffix, round_size)[0, positions[mine]]
+    return rounds, places
+
+
 def repeated(keys: np.ndarray) -> np.ndarray:
-    """For each key, whether an earlier one equals it (True but for each value's first place)."""
+    """For each key (a number, or a row of a 2-D array), whether an earlier one equals it (True but for each
+    value's first place)."""
     out = np.ones(len(keys), dtype=bool)
-    out[np.unique(keys, return_index=True)[1]] = False
+    out[np.unique(keys, return_index=True, axis=0 if np.ndim(keys) == 2 else None)[1]] = False
     return out
 
 

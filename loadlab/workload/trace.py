@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,15 @@ import numpy as np
 
 from loadlab.profile import Profile, ProfileError, TraceWorkloadConfig
 from loadlab.workload.datasets import file_error, jsonl_objects, read_text
-from loadlab.workload.generators import WorkloadGenerator, _cache_size, _rng, _seed_word, _words, register
+from loadlab.workload.generators import (
+    WorkloadGenerator,
+    _cache_size,
+    _rng,
+    _seed_word,
+    _words,
+    register,
+    repeated,
+)
 from loadlab.workload.spec import RequestSpec
 
 _SALT_TRACE_BLOCK = 81  # never change: it fixes every block's tokens
@@ -162,13 +171,21 @@ class TraceGenerator(WorkloadGenerator):
             index=index, input_ids=tuple(ids), max_new_tokens=t.output_length, prefix_group=group
         )
 
-    def _reusable_prefix(self, indices: list[int]) -> list[int]:
-        # Blocks whose prefix an earlier request among them had; a partial block as far as both have it.
+    def reusable_prefix(self, indices: Sequence[int]) -> np.ndarray:
+        # Blocks whose prefix an earlier request among them had; a partial block as far as both have it. A
+        # line replayed again shares every block of its earlier replay (its tail is its own); only a line's
+        # first replay is walked.
+        indices = np.asarray(indices, dtype=np.int64)
+        line = indices % len(self.lines)
+        hashed = np.array(
+            [min(t.input_length, len(t.hash_ids) * self.block_size) for t in self.lines], dtype=np.int64
+        )
+        inputs = np.array([t.input_length for t in self.lines], dtype=np.int64)
+        out = np.minimum(hashed[line], inputs[line] - 1)
         tree = _Prefixes()
-        out = []
-        for index in indices:
-            t = self.lines[index % len(self.lines)]
-            out.append(min(tree.walk(t, self.block_size)[1], t.input_length - 1))
+        for position in np.flatnonzero(~repeated(line)).tolist():
+            t = self.lines[line[position]]
+            out[position] = min(tree.walk(t, self.block_size)[1], t.input_length - 1)
         return out
 
     def arrival_times_s(self) -> list[float]:
