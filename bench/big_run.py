@@ -18,10 +18,11 @@ workers), written once per size into ``--dir`` and reused.
 
 ``--cores``: the CPUs each step may use (``taskset -c``: ``1`` one core, ``0,1`` both). ``--before REV``:
 each step also runs with that commit's tree (``git archive``; its own PYTHONPATH), alternately with this
-tree, ``--repeats`` times each, on the same files (records.parquet as this tree writes it).
+tree, ``--repeats`` times each, on the same files (records.parquet as this tree writes it). ``--one-token``:
+records whose every event carries one token (``make_big_run.py --one-token``, in their own directories).
 
     python bench/big_run.py [--records 100000 1000000] [--dir /tmp/loadlab-bigrun] [--cores 1]
-        [--steps master convert summary html] [--before REV] [--repeats 1]
+        [--steps master convert summary html] [--before REV] [--repeats 1] [--one-token]
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def main() -> None:
     parser.add_argument("--steps", nargs="+", default=["master", "convert", "summary", "html"])
     parser.add_argument("--before", default=None)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--one-token", action="store_true", help="records whose every event is one token")
     parser.add_argument("--step", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
@@ -134,12 +136,12 @@ def main() -> None:
     if args.before:
         trees = {"before": _unpack(args.before, args.dir / "before-tree"), **trees}
     for n in args.records:
-        src = args.dir / f"r{n}"
+        suffix = "-one" if args.one_token else ""
+        src = args.dir / f"r{n}{suffix}"
         if not (src / "manifest.json").exists():
-            subprocess.run(
-                [sys.executable, str(HERE / "make_big_run.py"), str(src), "--records", str(n)], check=True
-            )
-        work = args.dir / f"w{n}"
+            make = [sys.executable, str(HERE / "make_big_run.py"), str(src), "--records", str(n)]
+            subprocess.run(make + (["--one-token"] if args.one_token else []), check=True)
+        work = args.dir / f"w{n}{suffix}"
         for kind in args.steps:
             if kind == "convert" or (kind in ("summary", "html") and not (work / "records.parquet").exists()):
                 shutil.rmtree(work, ignore_errors=True)

@@ -5,7 +5,10 @@ events (most one token, some two to four, as SGLang's stream coalesces), receipt
 differences give them (full doubles), mixed outcomes (timeouts and drops keep what arrived, HTTP errors
 and rejections have none), four load-generator processes, four serving workers, 1% warm-up.
 
-    python bench/make_big_run.py DIR [--records 1000000] [--seed 0] [--open-loop]
+    python bench/make_big_run.py DIR [--records 1000000] [--seed 0] [--open-loop] [--one-token]
+
+``--one-token``: every event carries one token (a server that streams a token a chunk, as SGLang does unless
+its stream coalesces), the requests' lengths and gaps drawn as without it.
 
 Not a benchmark: bench/big_run.py times what a run does with the directory.
 """
@@ -59,7 +62,9 @@ def profile_for(records: int, open_loop: bool):
     )
 
 
-def chunk_records(start: int, n: int, warmup: int, rng: np.random.Generator, open_loop: bool):
+def chunk_records(
+    start: int, n: int, warmup: int, rng: np.random.Generator, open_loop: bool, one_token: bool = False
+):
     """Records ``start`` .. ``start + n``: their fields drawn in bulk, each record then built as a run does."""
     idx = np.arange(start, start + n)
     out_len = rng.integers(64, 257, n)
@@ -67,6 +72,8 @@ def chunk_records(start: int, n: int, warmup: int, rng: np.random.Generator, ope
     # Per event: tokens (mostly 1) and the gap before it; a request's events until its output is complete.
     events_max = int(out_len.max())
     tok = rng.choice([1, 1, 1, 1, 1, 1, 1, 1, 2, 3, 4], size=(n, events_max))
+    if one_token:
+        tok[:] = 1
     gaps = rng.lognormal(np.log(18.0), 0.35, (n, events_max)) * tok
     kind = rng.random(n)
     t_send = 1.7e9 + idx * (1.0 / 800.0) + rng.random(n) * 0.001
@@ -121,7 +128,9 @@ def chunk_records(start: int, n: int, warmup: int, rng: np.random.Generator, ope
     return recs
 
 
-def make_run(run_dir: Path, records: int, seed: int = 0, open_loop: bool = False) -> Path:
+def make_run(
+    run_dir: Path, records: int, seed: int = 0, open_loop: bool = False, one_token: bool = False
+) -> Path:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     profile = profile_for(records, open_loop)
@@ -130,7 +139,7 @@ def make_run(run_dir: Path, records: int, seed: int = 0, open_loop: bool = False
     outcomes: dict[str, int] = {}
     with open(run_dir / RECORDS_JSONL, "wb") as f:
         for start in range(0, records, CHUNK):
-            recs = chunk_records(start, min(CHUNK, records - start), warmup, rng, open_loop)
+            recs = chunk_records(start, min(CHUNK, records - start), warmup, rng, open_loop, one_token)
             f.write(b"".join(r.to_json_line() for r in recs))
             for r in recs:
                 outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
@@ -167,9 +176,10 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--open-loop", action="store_true", help="open loop: records carry their due times")
+    parser.add_argument("--one-token", action="store_true", help="every event one token")
     args = parser.parse_args()
     t = time.perf_counter()
-    make_run(args.dir, args.records, args.seed, args.open_loop)
+    make_run(args.dir, args.records, args.seed, args.open_loop, args.one_token)
     size = (args.dir / RECORDS_JSONL).stat().st_size
     print(
         f"{args.dir}: {args.records} records, {size / 1e9:.2f} GB, {time.perf_counter() - t:.1f} s",

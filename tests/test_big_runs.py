@@ -503,11 +503,15 @@ def test_token_count_sources_counted_with_the_old_records_fallback():
 
 
 @pytest.mark.parametrize("shape", ["steady", "drifting", "pilot_unlike_the_rest", "constant"])
-def test_the_one_pass_scan_and_its_fallback_give_numpys_figures(shape):
+@pytest.mark.parametrize(
+    "tokens", [[1, 1, 2, 4], [1] * 9 + [3], [1]], ids=["half_multi", "few_multi", "ones"]
+)
+def test_the_one_pass_scan_and_its_fallback_give_numpys_figures(shape, tokens):
     """40 batches: a pilot of every 5th predicts where each order statistic lies and one pass gathers those
     buckets as it counts; where the pilot misleads (its batches unlike the others, ~1M events so that its
     margin is narrow), or where the records' sums of squares would cancel (a constant gap), a second pass
-    takes the wanted buckets and the moments exactly. Either way, numpy's figures."""
+    takes the wanted buckets and the moments exactly. Either way, numpy's figures; with events of several
+    tokens common, rare (their per-token buckets apart) or absent (the per-event buckets serve both)."""
     rng = np.random.default_rng(16)
     batches = []
     for b in range(40):
@@ -520,7 +524,7 @@ def test_the_one_pass_scan_and_its_fallback_give_numpys_figures(shape):
                 shape
             ]
             gaps = rng.gamma(3, scale, n)
-        batches.append((np.cumsum(gaps), lengths, rng.choice([1, 1, 2, 4], n), lengths))
+        batches.append((np.cumsum(gaps), lengths, rng.choice(tokens, n), lengths))
     source = EventSource.of(batches)
     rows = sum(source.sizes)
     flat = Events(*(np.concatenate(column) for column in zip(*batches, strict=True)))

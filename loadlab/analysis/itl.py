@@ -613,43 +613,81 @@ class _Scan:
         return np.repeat(self.cells[c.row0 : c.row0 + c.rows].astype(self.narrow), c.later)
 
     def parts(self, c: _Chunk, plan: dict[bool, _Step], cell: np.ndarray) -> dict[bool, _Part]:
-        """A batch's share of a pass (in a worker thread; ``cell``: each event's cell)."""
+        """A batch's share of a pass (in a worker thread; ``cell``: each event's cell).
+
+        An event of one token has the same value per token as per event, so the per-token histogram and
+        gathering reuse the per-event buckets and compute their own only for the events of several tokens
+        (all of them, as a rule, when a server sends one token an event)."""
         n = c.gaps.size
         if not n:
             return {}
         bufs = _buffers(n)
         out = {}
+        index = self._buckets(c.gaps, cell, bufs.index[:n])
+        # Counts up to the highest bucket this batch reaches.
+        counts = np.bincount(index) if any(step.counting for step in plan.values()) else None
         for weighted, step in plan.items():
             part = out[weighted] = _Part()
-            value, weight = self.values(c, weighted, bufs)
-            index = bufs.index[:n]
-            np.right_shift(value.view(np.int64), _SHIFT, out=index)
-            np.clip(index, _LO, _HI, out=index)
-            index -= _LO
-            index *= self.nc
-            index += cell
-            if step.counting:  # counts up to the highest bucket this batch reaches
-                part.hist = np.bincount(index, weights=weight)
-            if step.centre is not None:  # moments about the cells' centres, per record then per cell
-                rows = self.cells[c.row0 : c.row0 + c.rows][c.with_later]
-                d = bufs.scratch[:n]
-                np.take(step.centre, cell, out=d)
-                np.subtract(value, d, out=d)
-                w_d = d if weight is None else np.multiply(d, weight, out=bufs.value2[:n])
-                part.s1 = np.bincount(rows, weights=np.add.reduceat(w_d, c.starts), minlength=self.nc)
-                np.multiply(w_d, d, out=d)
-                part.s2 = np.bincount(rows, weights=np.add.reduceat(d, c.starts), minlength=self.nc)
+            if step.centre is not None:  # moments about the cells' centres (a second pass)
+                value, weight = self.values(c, weighted, bufs)
+                self._moments(c, step, part, value, weight, cell, bufs)
+            if not weighted:
+                at, value_at = index, None
+                if step.counting:
+                    part.hist = counts
+            else:
+                multi = np.flatnonzero(c.tok > 1)
+                value_at = c.tok
+                if multi.size * 3 > n:  # mostly events of several tokens: every event's own bucket
+                    value = np.divide(c.gaps, c.tok, out=bufs.value[:n])
+                    at = self._buckets(value, cell, bufs.index2[:n])
+                    if step.counting:
+                        part.hist = np.bincount(at, weights=c.tok)
+                elif multi.size:  # the few events of several tokens: their own buckets, each token counted
+                    at = bufs.index2[:n]
+                    np.copyto(at, index)
+                    own = self._buckets(c.gaps[multi] / c.tok[multi], cell[multi], None)
+                    at[multi] = own
+                    if step.counting:
+                        part.hist = counts.astype(float)
+                        part.hist -= np.bincount(index[multi], minlength=part.hist.size)
+                        part.hist += np.bincount(own, weights=c.tok[multi], minlength=part.hist.size)
+                else:  # one token an event: the per-event buckets
+                    at = index
+                    if step.counting:
+                        part.hist = counts.astype(float)
             if step.lut is not None:
-                take = np.flatnonzero(step.lut[index])
+                take = np.flatnonzero(step.lut[at])
                 if take.size:
-                    at = index[take]
+                    tok = None if value_at is None else value_at[take]
                     part.gathered = (
-                        value[take],
-                        None if weight is None else weight[take],
+                        c.gaps[take] if tok is None else c.gaps[take] / tok,
+                        tok,
                         cell[take].astype(np.int64),
-                        at // self.nc,
+                        at[take] // self.nc,
                     )
         return out
+
+    def _buckets(self, value: np.ndarray, cell: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """Each value's bucket and cell as one histogram index (bucket-major)."""
+        index = np.right_shift(value.view(np.int64), _SHIFT, out=out)
+        np.clip(index, _LO, _HI, out=index)
+        index -= _LO
+        index *= self.nc
+        index += cell
+        return index
+
+    def _moments(self, c: _Chunk, step: _Step, part: _Part, value, weight, cell, bufs: _Buffers) -> None:
+        """Each cell's first and second moments about its centre, per record then per cell."""
+        n = c.gaps.size
+        rows = self.cells[c.row0 : c.row0 + c.rows][c.with_later]
+        d = bufs.scratch[:n]
+        np.take(step.centre, cell, out=d)
+        np.subtract(value, d, out=d)
+        w_d = d if weight is None else np.multiply(d, weight, out=bufs.value2[:n])
+        part.s1 = np.bincount(rows, weights=np.add.reduceat(w_d, c.starts), minlength=self.nc)
+        np.multiply(w_d, d, out=d)
+        part.s2 = np.bincount(rows, weights=np.add.reduceat(d, c.starts), minlength=self.nc)
 
     def wanted(self, wants: list[_Target | None]) -> np.ndarray:
         """The buckets (per cell) that hold a wanted order statistic of a scope."""
@@ -749,6 +787,7 @@ class _Buffers:
         self.value2 = np.empty(size)
         self.scratch = np.empty(size)
         self.index = np.empty(size, dtype=np.int64)
+        self.index2 = np.empty(size, dtype=np.int64)
 
 
 _thread_buffers = threading.local()
