@@ -306,22 +306,27 @@ def _cleaned(batch: EventBatch, keep_times: bool) -> tuple[_Chunk, tuple[np.ndar
     with_later = np.flatnonzero(later)
     starts = np.zeros(with_later.size, dtype=np.int64)
     np.cumsum(later[with_later][:-1], out=starts[1:])
-    later_tok = _narrow(ev.tok)[ev.later_mask]
+    top = int(ev.tok.max()) if ev.tok.size else 0
+    one_each = top <= 1  # a token an event (events without one are gone)
+    later_tok = np.ones(gaps.size, dtype=np.uint8) if one_each else _narrow(ev.tok, top)[ev.later_mask]
     gap_sum, squares, per_token = np.zeros(ev.rows), np.zeros(ev.rows), np.zeros(ev.rows)
     if with_later.size:
         gap_sum[with_later] = np.add.reduceat(gaps, starts)
         square = np.multiply(gaps, gaps, out=scratch[: gaps.size])
         squares[with_later] = np.add.reduceat(square, starts)
-        per_token[with_later] = np.add.reduceat(np.divide(square, later_tok, out=square), starts)
+        if one_each:  # a squared gap over one token is itself
+            per_token[with_later] = squares[with_later]
+        else:
+            per_token[with_later] = np.add.reduceat(np.divide(square, later_tok, out=square), starts)
     chunk = _Chunk(0, ev.rows, gaps, later_tok, later, with_later, starts)
     if keep_times:
         chunk.ms, chunk.all_tok, chunk.lengths = ev.ms, ev.tok, ev.lengths
     return chunk, (ev.lengths, ev.first_tokens, ev.token_sum, zero_gaps, gap_sum, squares, per_token)
 
 
-def _narrow(tok: np.ndarray) -> np.ndarray:
-    """Token counts in the narrowest unsigned type that holds them (a byte each, as a rule)."""
-    top = int(tok.max()) if tok.size else 0
+def _narrow(tok: np.ndarray, top: int) -> np.ndarray:
+    """Token counts (at most ``top``) in the narrowest unsigned type that holds them (a byte each, as a
+    rule)."""
     for kind in (np.uint8, np.uint16, np.uint32):
         if top <= np.iinfo(kind).max:
             return tok.astype(kind)
