@@ -50,18 +50,33 @@ _WEIGHTED = {"itl_ms": True, "itl_per_event_ms": False}  # per token: each event
 
 @dataclass
 class _Chunk:
-    """One batch's later events (every token-carrying event but a request's first)."""
+    """One batch's token-carrying events as the gaps between them, in place: entry j is the gap before the
+    batch's event j + 1 (its records' events one after another) and that event's tokens. Where event j + 1 is
+    a record's first (``bounds``), the entry is 0 and no gap of any record: the scan gives it no scope's cell
+    (a later event's gaps are not copied out of the others: a million records' ~100M events, a copy each
+    batch, cost more than all the rest of cleaning)."""
 
     row0: int  # the batch's first record in the run
     rows: int
-    gaps: np.ndarray  # float64 ms, the gap before each later event
-    tok: np.ndarray  # the tokens each later event carried (the narrowest unsigned type that holds them)
-    later: np.ndarray  # each record's number of later events
-    with_later: np.ndarray  # the records (in the chunk) that have any, and where their later events start
+    gaps: np.ndarray  # float64 ms
+    tok: np.ndarray  # the narrowest unsigned type that holds them
+    lengths: np.ndarray  # each record's events
+    bounds: np.ndarray  # the entries before a record's first event
+    later: np.ndarray  # each record's number of later events (all but its first)
+    with_later: np.ndarray  # the records (in the chunk) that have any, and the entry of their first gap
     starts: np.ndarray
     ms: np.ndarray | None = None  # every kept event's receipt time and tokens (a timeline, keep_times)
     all_tok: np.ndarray | None = None
-    lengths: np.ndarray | None = None
+
+    def valid(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """The entries that are some record's gap (of the records ``rows``, a mask over the run's, selects)."""
+        keep = np.ones(self.gaps.size, dtype=bool)
+        keep[self.bounds] = False
+        if rows is not None:
+            keep &= np.repeat(np.asarray(rows, dtype=bool)[self.row0 : self.row0 + self.rows], self.lengths)[
+                1:
+            ]
+        return keep
 
 
 @dataclass
@@ -184,10 +199,9 @@ class RunEvents:
         """``stats.pooled_events`` over the records ``rows`` selects, materialised (small runs, tests)."""
         gaps, tok = [], []
         for c in self.chunks:
-            mine = slice(c.row0, c.row0 + c.rows)
-            keep = None if rows is None else np.repeat(np.asarray(rows, dtype=bool)[mine], c.later)
-            gaps.append(c.gaps if keep is None else c.gaps[keep])
-            tok.append(c.tok if keep is None else c.tok[keep])
+            keep = c.valid(rows)
+            gaps.append(c.gaps[keep])
+            tok.append(c.tok[keep])
         g = np.concatenate(gaps) if gaps else np.empty(0)
         t = np.concatenate(tok).astype(np.int64) if tok else np.empty(0, dtype=np.int64)
         sel = slice(None) if rows is None else np.asarray(rows, dtype=bool)
@@ -236,7 +250,7 @@ def _read(
     chunks: list[_Chunk] = []
     per_row: list[tuple[np.ndarray, ...]] = []
     sample = []
-    work = functools.partial(_work, job=job, keep_times=keep_times)
+    work = functools.partial(_work, job=job, keep_times=keep_times, keep=keep)
     for chunk, rows, parts, tokens, drawn in in_order(work, numbered, ahead=8):
         if keep:
             chunks.append(chunk)
@@ -252,27 +266,30 @@ def _read(
     return _Read(events or RunEvents(chunks), passed, seconds, sample)
 
 
-def _chunk_of(numbered: tuple[int, Any], keep_times: bool) -> tuple[_Chunk, tuple[np.ndarray, ...] | None]:
+def _chunk_of(
+    numbered: tuple[int, Any], keep_times: bool, transient: bool = False
+) -> tuple[_Chunk, tuple[np.ndarray, ...] | None]:
     """A batch's chunk, placed in the run, and its records' arrays (None for a chunk kept from a reading)."""
     row0, batch = numbered
     if isinstance(batch, _Chunk):
         return batch, None
     if isinstance(batch, _Cleaned):
         return batch.chunk, batch.rows
-    chunk, rows = _cleaned(batch, keep_times)
+    chunk, rows = _cleaned(batch, keep_times, transient)
     chunk.row0 = row0
     return chunk, rows
 
 
-def _work(numbered: tuple[int, Any], job: _Job, keep_times: bool):
-    chunk, rows = _chunk_of(numbered, keep_times or job.timeline is not None)
+def _work(numbered: tuple[int, Any], job: _Job, keep_times: bool, keep: bool):
+    # A chunk not kept has its gaps in this thread's buffers, until its next batch.
+    chunk, rows = _chunk_of(numbered, keep_times or job.timeline is not None, transient=not keep)
     scan = job.scan
     cell = scan.event_cells(chunk) if scan is not None and (job.plan or job.sample) else None
     parts = scan.parts(chunk, job.plan, cell) if job.plan else {}
     tokens = _tokens_per_second(chunk, *job.timeline) if job.timeline is not None else None
     drawn = scan.sample(chunk, cell) if job.sample else None
     if not keep_times and not isinstance(numbered[1], _Chunk):  # receipt times wanted for this pass only
-        chunk.ms = chunk.all_tok = chunk.lengths = None
+        chunk.ms = chunk.all_tok = None
     return chunk, rows, parts, tokens, drawn
 
 
@@ -286,41 +303,53 @@ def _tokens_per_second(c: _Chunk, t_send: np.ndarray, t0: float, span: int) -> n
     return np.bincount(np.clip(at, 0, span - 1), weights=c.all_tok[sent], minlength=span)[:span]
 
 
-_scratch = threading.local()  # per thread: the gaps between all of a batch's events (fresh memory is faults)
+_scratch = threading.local()  # per thread: buffers for a batch's gaps (fresh memory is page faults)
 
 
-def _cleaned(batch: EventBatch, keep_times: bool) -> tuple[_Chunk, tuple[np.ndarray, ...]]:
+def _buffer(name: str, size: int) -> np.ndarray:
+    """This thread's float buffer ``name``, at least ``size`` long (reused from batch to batch)."""
+    have = getattr(_scratch, name, None)
+    if have is None or have.size < size:
+        have = np.empty(max(size, 1))
+        setattr(_scratch, name, have)
+    return have[:size]
+
+
+def _cleaned(
+    batch: EventBatch, keep_times: bool, transient: bool = False
+) -> tuple[_Chunk, tuple[np.ndarray, ...]]:
     """One batch's chunk (its first record's place left at 0) and its per-record arrays: kept events, first
-    tokens, tokens, zero gaps, and the sums of gaps, squared gaps and squared gaps over tokens."""
-    ms, ms_lengths, tok, tok_lengths = batch
-    scratch = getattr(_scratch, "array", None)
-    if scratch is None or scratch.size < len(ms):
-        scratch = _scratch.array = np.empty(len(ms))
-    ev = Events(ms, ms_lengths, tok, tok_lengths, scratch)
-    later = ev.later
-    gaps = ev.gaps
+    tokens, tokens, zero gaps, and the sums of gaps, squared gaps and squared gaps over tokens. ``transient``:
+    the chunk's gaps in this thread's buffer (valid until the thread's next batch)."""
+    ev = Events(*batch, gaps=False)
+    n = max(ev.ms.size - 1, 0)
+    gaps = _buffer("gaps", n) if transient else np.empty(n)
+    np.subtract(ev.ms[1:], ev.ms[:-1], out=gaps)
+    bounds = ev.first[1:] - 1  # the entries before each record's first event
+    gaps[bounds] = np.nan  # not a gap: not counted as zero
     zero = np.flatnonzero(gaps == 0.0)
     zero_gaps = np.zeros(ev.rows, dtype=np.int64)
     if zero.size:  # each zero gap's record, in bulk
-        np.add.at(zero_gaps, np.searchsorted(np.cumsum(later), zero, side="right"), 1)
+        np.add.at(zero_gaps, np.searchsorted(np.cumsum(ev.lengths), zero + 1, side="right"), 1)
+    gaps[bounds] = 0.0  # adds nothing to the sums below
+    later = ev.later
     with_later = np.flatnonzero(later)
-    starts = np.zeros(with_later.size, dtype=np.int64)
-    np.cumsum(later[with_later][:-1], out=starts[1:])
+    starts = (np.cumsum(ev.lengths) - ev.lengths)[with_later]  # each one's first gap: at its first event
     top = int(ev.tok.max()) if ev.tok.size else 0
     one_each = top <= 1  # a token an event (events without one are gone)
-    later_tok = np.ones(gaps.size, dtype=np.uint8) if one_each else _narrow(ev.tok, top)[ev.later_mask]
+    tok = np.ones(n, dtype=np.uint8) if one_each else _narrow(ev.tok[1:], top)
     gap_sum, squares, per_token = np.zeros(ev.rows), np.zeros(ev.rows), np.zeros(ev.rows)
     if with_later.size:
         gap_sum[with_later] = np.add.reduceat(gaps, starts)
-        square = np.multiply(gaps, gaps, out=scratch[: gaps.size])
+        square = np.multiply(gaps, gaps, out=_buffer("square", n))
         squares[with_later] = np.add.reduceat(square, starts)
         if one_each:  # a squared gap over one token is itself
             per_token[with_later] = squares[with_later]
         else:
-            per_token[with_later] = np.add.reduceat(np.divide(square, later_tok, out=square), starts)
-    chunk = _Chunk(0, ev.rows, gaps, later_tok, later, with_later, starts)
+            per_token[with_later] = np.add.reduceat(np.divide(square, tok, out=square), starts)
+    chunk = _Chunk(0, ev.rows, gaps, tok, ev.lengths, bounds, later, with_later, starts)
     if keep_times:
-        chunk.ms, chunk.all_tok, chunk.lengths = ev.ms, ev.tok, ev.lengths
+        chunk.ms, chunk.all_tok = ev.ms, ev.tok
     return chunk, (ev.lengths, ev.first_tokens, ev.token_sum, zero_gaps, gap_sum, squares, per_token)
 
 
@@ -615,7 +644,10 @@ class _Scan:
         return np.divide(c.gaps, c.tok, out=bufs.value[: c.gaps.size]), c.tok
 
     def event_cells(self, c: _Chunk) -> np.ndarray:
-        return np.repeat(self.cells[c.row0 : c.row0 + c.rows].astype(self.narrow), c.later)
+        """Each entry's cell: its event's record's; an entry before a record's first event none of a scope's."""
+        cell = np.repeat(self.cells[c.row0 : c.row0 + c.rows].astype(self.narrow), c.lengths)[1:]
+        cell[c.bounds] = self.n_cells
+        return cell
 
     def parts(self, c: _Chunk, plan: dict[bool, _Step], cell: np.ndarray) -> dict[bool, _Part]:
         """A batch's share of a pass (in a worker thread; ``cell``: each event's cell).
@@ -689,6 +721,7 @@ class _Scan:
         d = bufs.scratch[:n]
         np.take(step.centre, cell, out=d)
         np.subtract(value, d, out=d)
+        d[c.bounds] = 0.0  # no record's gap
         w_d = d if weight is None else np.multiply(d, weight, out=bufs.value2[:n])
         part.s1 = np.bincount(rows, weights=np.add.reduceat(w_d, c.starts), minlength=self.nc)
         np.multiply(w_d, d, out=d)

@@ -294,11 +294,10 @@ class Events:
     ``pooled(rows)`` is ``pooled_events`` over the requests ``rows`` selects, bit for bit (the same
     samples in the same order)."""
 
-    def __init__(
-        self, ms: Any, ms_lengths: Any, tok: Any, tok_lengths: Any, scratch: np.ndarray | None = None
-    ):
-        """``scratch``: a float array at least as long as the events, for the gaps between all of them (a
-        caller that builds many batches in turn passes the same one: fresh memory costs page faults)."""
+    def __init__(self, ms: Any, ms_lengths: Any, tok: Any, tok_lengths: Any, gaps: bool = True):
+        """``gaps``: also each later event's gap and tokens (``gaps``, ``later_mask``; a caller that lays out
+        the gaps its own way, ``itl``'s scan, goes without). ``first``: each request's first event, where it
+        has one."""
         ms = np.asarray(ms, dtype=float)
         ms_lengths = np.asarray(ms_lengths, dtype=np.int64)
         tok = np.asarray(tok)
@@ -324,19 +323,18 @@ class Events:
         del keep
         self.ms, self.tok, self.lengths = ms, tok.astype(np.int64, copy=False), lengths
         nonempty = lengths > 0
-        first = _starts(lengths)[nonempty]
+        self.first = first = _starts(lengths)[nonempty]
         self.first_tokens = np.full(self.rows, np.nan)
         self.first_tokens[nonempty] = self.tok[first]
         self.token_sum = np.zeros(self.rows)
         if first.size:
             self.token_sum[nonempty] = np.add.reduceat(self.tok, first)
-        later = np.ones(ms.size, dtype=bool)
-        later[first] = False
-        self.later_mask = later  # every event but a request's first
-        diff = scratch[: max(ms.size - 1, 0)] if scratch is not None and scratch.size >= ms.size else None
-        diff = np.subtract(ms[1:], ms[:-1], out=diff)
-        self.gaps = diff[later[1:]]  # the gap before each later event of its request
         self.later = np.maximum(lengths - 1, 0)  # each request's later events
+        if gaps:
+            later = np.ones(ms.size, dtype=bool)
+            later[first] = False
+            self.later_mask = later  # every event but a request's first
+            self.gaps = np.diff(ms)[later[1:]]  # the gap before each later event of its request
 
     @property
     def later_tok(self) -> np.ndarray:
