@@ -149,8 +149,8 @@ class RunEvents:
     Per record (concatenated): ``lengths`` (kept events), ``first_tokens`` (tokens of the first; NaN without
     one), ``token_sum``, ``zero_gaps`` (later events received at the same time as the one before: a read
     that carried several), and the sums of its gaps and squared gaps. Per event, where they were kept
-    (``chunks``: ``of_batches``, or a scan that keeps them), the gaps and token counts of later events, chunk
-    by chunk. ``figures``: each scope's ITL where a scan took them as it read (``scan_events``), by the
+    (``chunks``: ``of_batches``, or a scan that keeps them), the gaps and token counts, chunk by chunk (each
+    chunk's laid out in place, ``_Chunk``). ``figures``: each scope's ITL where a scan took them as it read (``scan_events``), by the
     scope's name (None: the run)."""
 
     chunks: list[_Chunk] = field(default_factory=list)
@@ -310,9 +310,15 @@ def _buffer(name: str, size: int) -> np.ndarray:
     """This thread's float buffer ``name``, at least ``size`` long (reused from batch to batch)."""
     have = getattr(_scratch, name, None)
     if have is None or have.size < size:
-        have = np.empty(max(size, 1))
+        have = np.empty(_roomy(size))
         setattr(_scratch, name, have)
     return have[:size]
+
+
+def _roomy(size: int) -> int:
+    """A buffer's size for ``size`` with room for the next batches (whose sizes vary a little about it):
+    each thread's buffers are made once a pass, not again for each batch a little larger."""
+    return max(size + size // 4, 1024)
 
 
 def _cleaned(
@@ -689,10 +695,10 @@ class _Scan:
                         part.hist = counts.astype(float)
                         part.hist -= np.bincount(index[multi], minlength=part.hist.size)
                         part.hist += np.bincount(own, weights=c.tok[multi], minlength=part.hist.size)
-                else:  # one token an event: the per-event buckets
+                else:  # one token an event: the per-event buckets and counts
                     at = index
                     if step.counting:
-                        part.hist = counts.astype(float)
+                        part.hist = counts
             if step.lut is not None:
                 take = np.flatnonzero(step.lut[at])
                 if take.size:
@@ -835,7 +841,7 @@ def _buffers(size: int) -> _Buffers:
     """This thread's buffers, at least ``size`` long (reused from batch to batch)."""
     bufs = getattr(_thread_buffers, "bufs", None)
     if bufs is None or bufs.size < size:
-        bufs = _thread_buffers.bufs = _Buffers(size)
+        bufs = _thread_buffers.bufs = _Buffers(_roomy(size))
     return bufs
 
 
