@@ -397,6 +397,9 @@ _SHIFT = 40
 _LO = int(np.float64(2.0**-20).view(np.int64)) >> _SHIFT
 _HI = int(np.float64(2.0**30).view(np.int64)) >> _SHIFT
 _BUCKETS = _HI - _LO + 1
+# The per-token pass computes every event's own bucket when more than this share of a batch's events carry
+# several tokens; below it, only theirs (the others' are the per-event ones).
+_OWN_BUCKETS_ABOVE = 0.2  # measured: equal costs at ~20 % (bench/RESULTS.md, big runs e)
 _SORT_MAX = 1 << 15  # a gathered set this small is sorted; larger ones are split by their bits again
 
 # The one-pass scan: a pilot of about this many batches, for scans of at least _PILOT_MIN batches.
@@ -681,7 +684,7 @@ class _Scan:
             else:
                 multi = np.flatnonzero(c.tok > 1)
                 value_at = c.tok
-                if multi.size * 3 > n:  # mostly events of several tokens: every event's own bucket
+                if multi.size > _OWN_BUCKETS_ABOVE * n:  # many events of several tokens: each its own bucket
                     value = np.divide(c.gaps, c.tok, out=bufs.value[:n])
                     at = self._buckets(value, cell, bufs.index2[:n])
                     if step.counting:
