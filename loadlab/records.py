@@ -329,11 +329,71 @@ def event_batches(run_dir: Path, groups=None):
     def read():
         with pq.ParquetFile(Path(run_dir) / RECORDS_PARQUET) as file:
             have = [name for name in EVENT_FIELDS if name in file.schema_arrow.names]
+            one_token = one_token_groups(file)
             for group in range(file.num_row_groups) if groups is None else groups:
+                if group in one_token:  # the token counts are all 1, one per receipt time: not read
+                    table = file.read_row_group(group, columns=["arrival_ms"])
+                    ms, lengths = list_values(_one_chunk(table.column("arrival_ms")))
+                    yield ms, lengths, np.broadcast_to(np.int64(1), ms.shape), lengths
+                    continue
                 table = file.read_row_group(group, columns=have)
                 yield _event_columns(table, table.num_rows)
 
     return read_ahead(read())
+
+
+# records.parquet's footer: the row groups whose every record's events carry one token each (TableWriter).
+ONE_TOKEN_GROUPS = "loadlab.one_token_groups"
+
+
+def one_token_groups(file) -> set[int]:
+    """The row groups of a records.parquet (a ``pyarrow.parquet.ParquetFile``) whose every event carries one
+    token, as its writer marked them in the footer (``ONE_TOKEN_GROUPS``) and the group's own statistics
+    bear out (its token counts' minimum and maximum 1, no null; or no count at all): those need not be read.
+    None for a file written before the mark, or by another writer."""
+    mark = (file.metadata.metadata or {}).get(ONE_TOKEN_GROUPS.encode())
+    names = file.schema_arrow.names
+    if mark is None or "arrival_ms" not in names or "arrival_tokens" not in names:
+        return set()
+    try:
+        marked = {int(g) for g in orjson.loads(mark)}
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        return set()
+    paths = [file.schema.column(i).path for i in range(len(file.schema))]
+    if "arrival_tokens.list.element" not in paths:
+        return set()
+    leaf = paths.index("arrival_tokens.list.element")  # the token counts themselves
+    out = set()
+    for group in marked:
+        if not 0 <= group < file.num_row_groups:
+            continue
+        stats = file.metadata.row_group(group).column(leaf).statistics
+        if stats is None:
+            continue
+        if not stats.has_min_max or (stats.min == 1 and stats.max == 1 and not stats.null_count):
+            out.add(group)  # no count at all (each list empty), or every one 1
+    return out
+
+
+def _one_token_each(table) -> bool:
+    """Whether every record of an Arrow table of records has one token an event: its token counts all 1 and
+    as many as its receipt times, or none (which counts one an event: ``stats.Events``)."""
+    import pyarrow.compute as pc
+
+    if not {"arrival_ms", "arrival_tokens"} <= set(table.column_names):
+        return False
+    tok, ms = table.column("arrival_tokens"), table.column("arrival_ms")
+    counts = pc.list_value_length(tok).fill_null(0)
+    times = pc.list_value_length(ms).fill_null(0)
+    if pc.any(pc.and_(pc.not_equal(counts, times), pc.not_equal(counts, 0))).as_py():
+        return False
+    values = pc.list_flatten(tok)
+    if values.null_count:
+        return False
+    if not len(values):
+        return True
+    low_high = pc.min_max(values).as_py()
+    return low_high["min"] == 1 and low_high["max"] == 1
 
 
 def row_group_sizes(run_dir: Path) -> list[int]:
@@ -461,11 +521,15 @@ def _event_columns(table, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
         if name not in table.column_names:  # records from before the column: none
             out += [np.empty(0), np.zeros(rows, dtype=np.int64)]
             continue
-        column = table.column(name)
-        if hasattr(column, "num_chunks"):  # a table's column: one chunk as a rule (no copy then)
-            column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-        out += list(list_values(column))
+        out += list(list_values(_one_chunk(table.column(name))))
     return out[0], out[1], out[2], out[3]
+
+
+def _one_chunk(column):
+    """A table's column as one array (one chunk as a rule: no copy then); an array as it is."""
+    if hasattr(column, "num_chunks"):
+        return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    return column
 
 
 # Rows in one Parquet row group and CSV batch: what the process that owns a run holds before writing them.
@@ -497,6 +561,8 @@ class TableWriter:
         self._parquet = None
         self._csv = None
         self.closed = False
+        self._groups = 0  # row groups written (each write one, an empty one too)
+        self._one_token: list[int] = []  # those whose every event carries one token (``one_token_groups``)
 
     def add(self, record: RequestRecord | dict[str, Any]) -> None:
         self._pending.append(record)
@@ -533,7 +599,10 @@ class TableWriter:
                     path: "none" if name == "arrival_ms" else "snappy" for name, path in paths.items()
                 },
             )
+        if _one_token_each(table):
+            self._one_token.append(self._groups)
         self._parquet.write_table(table)
+        self._groups += 1
         table = _csv_table(table, rows)
         if self._csv is None:
             self._csv = pacsv.CSVWriter(self._partial(RECORDS_CSV), table.schema)
@@ -551,14 +620,15 @@ class TableWriter:
                 for waiting in self._waiting:
                     if waiting is not None:
                         waiting.get()  # re-raises a group's failure
+                if self._parquet is None:  # no record: the files with their columns and no row
+                    self._write([])
+                self._parquet.add_key_value_metadata(
+                    {ONE_TOKEN_GROUPS: orjson.dumps(self._one_token).decode()}
+                )
             finally:
                 for writer in (self._parquet, self._csv):
                     if writer is not None:
                         writer.close()
-            if self._parquet is None:  # no record: the files with their columns and no row
-                self._write([])
-                self._parquet.close()
-                self._csv.close()
             for name in (RECORDS_PARQUET, RECORDS_CSV):
                 os.replace(self._partial(name), self.dir / name)
         return self.dir / RECORDS_PARQUET

@@ -31,6 +31,7 @@ from loadlab.records import (
     TableWriter,
     _arrow_table,
     _csv_table,
+    _event_columns,
     load_records,
     read_ahead,
     read_jsonl_records,
@@ -543,3 +544,53 @@ def test_the_one_pass_scan_and_its_fallback_give_numpys_figures(shape, tokens):
             assert [got.known[q] for q in qs] == np.percentile(samples, qs).tolist()
             assert got.mean == pytest.approx(np.mean(samples), rel=1e-12)
             assert got.std == pytest.approx(np.std(samples), rel=1e-9, abs=1e-12)
+
+
+def test_row_groups_of_one_token_events_are_marked_and_read_without_their_counts(tmp_path, monkeypatch):
+    """The writer marks the row groups whose every event carries one token (counts all 1 and one per receipt
+    time, or none); their counts are not read again, and the reader's events equal a full read's. A mark the
+    group's own statistics contradict (a count of 2) is not trusted."""
+    import dataclasses
+
+    from loadlab.records import event_batches, one_token_groups
+
+    base = [r for r in make_records(200, seed=4) if len(r.arrival_ms) >= 2][:16]
+    assert len(base) == 16
+
+    def shaped(r, kind):
+        n = len(r.arrival_ms)
+        counts = {"ones": [1] * n, "none": [], "a_two": [1] * (n - 1) + [2], "ragged": [1] * (n - 1)}[kind]
+        return dataclasses.replace(r, arrival_tokens=counts)
+
+    kinds = ["ones", "none", "a_two", "ragged"]
+    records = [shaped(r, kinds[i // 4]) for i, r in enumerate(base)]
+
+    def written(where):
+        where.mkdir()
+        writer = TableWriter(where, rows=4)
+        for r in records:
+            writer.add(r)
+        writer.close()
+        return where
+
+    run = written(tmp_path / "marked")
+    with pq.ParquetFile(run / RECORDS_PARQUET) as f:
+        assert f.num_row_groups == 4 and one_token_groups(f) == {0, 1}
+        full = [
+            _event_columns(f.read_row_group(g, columns=["arrival_ms", "arrival_tokens"]), 4) for g in range(4)
+        ]
+    for got, want in zip(event_batches(run), full, strict=True):
+        assert Events(*got).pooled().keys() == Events(*want).pooled().keys()
+        for key, value in Events(*want).pooled().items():
+            assert np.array_equal(Events(*got).pooled()[key], value, equal_nan=True), key
+    assert [len(b[2]) for b in event_batches(run, groups=[0, 1])] == [
+        int(sum(len(r.arrival_ms) for r in records[k : k + 4])) for k in (0, 4)
+    ]
+
+    # A writer that marked every group: the statistics overrule it where a count is 2; raggedness (counts
+    # fewer than receipt times, all 1) they cannot see, which is why only the writer's own check marks.
+    import loadlab.records as records_module
+
+    monkeypatch.setattr(records_module, "_one_token_each", lambda table: True)
+    with pq.ParquetFile(written(tmp_path / "forged") / RECORDS_PARQUET) as f:
+        assert one_token_groups(f) == {0, 1, 3}
