@@ -349,7 +349,7 @@ ONE_TOKEN_GROUPS = "loadlab.one_token_groups"
 def one_token_groups(file) -> set[int]:
     """The row groups of a records.parquet (a ``pyarrow.parquet.ParquetFile``) whose every event carries one
     token, as its writer marked them in the footer (``ONE_TOKEN_GROUPS``) and the group's own statistics
-    bear out (its token counts' minimum and maximum 1, no null; or no count at all): those need not be read.
+    bear out (its token counts' minimum and maximum 1, or no count at all): those need not be read.
     None for a file written before the mark, or by another writer."""
     mark = (file.metadata.metadata or {}).get(ONE_TOKEN_GROUPS.encode())
     names = file.schema_arrow.names
@@ -370,8 +370,9 @@ def one_token_groups(file) -> set[int]:
         stats = file.metadata.row_group(group).column(leaf).statistics
         if stats is None:
             continue
-        if not stats.has_min_max or (stats.min == 1 and stats.max == 1 and not stats.null_count):
-            out.add(group)  # no count at all (each list empty), or every one 1
+        # Every count 1, or none at all (only empty lists; an empty list is a null slot to the statistics).
+        if not stats.has_min_max or (stats.min == 1 and stats.max == 1):
+            out.add(group)
     return out
 
 
