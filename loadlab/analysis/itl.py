@@ -682,14 +682,16 @@ class _Scan:
                 if step.counting:
                     part.hist = counts
             else:
-                multi = np.flatnonzero(c.tok > 1)
+                several = c.tok > 1
+                n_several = int(np.count_nonzero(several))
                 value_at = c.tok
-                if multi.size > _OWN_BUCKETS_ABOVE * n:  # many events of several tokens: each its own bucket
+                if n_several > _OWN_BUCKETS_ABOVE * n:  # many events of several tokens: each its own bucket
                     value = np.divide(c.gaps, c.tok, out=bufs.value[:n])
                     at = self._buckets(value, cell, bufs.index2[:n])
                     if step.counting:
                         part.hist = np.bincount(at, weights=c.tok)
-                elif multi.size:  # the few events of several tokens: their own buckets, each token counted
+                elif n_several:  # the few events of several tokens: their own buckets, each token counted
+                    multi = np.flatnonzero(several)
                     at = bufs.index2[:n]
                     np.copyto(at, index)
                     own = self._buckets(c.gaps[multi] / c.tok[multi], cell[multi], None)
