@@ -134,6 +134,19 @@ class LoadGenerator(_Model):
     gone: bool = Field(False, description="it went away during the run")
 
 
+class TicketLeases(_Model):
+    """Distributed: how the master leased tickets (a request, or a conversation's session) to the workers in
+    blocks, and how long users waited for one (what the master adds to each request)."""
+
+    leased: int = Field(0, description="tickets leased to the workers")
+    blocks: int = Field(0, description="the messages that carried them")
+    leased_again: int = Field(0, description="tickets of workers that went away, leased to the others")
+    returned_unsent: int = Field(0, description="requests the workers returned unsent at the drain")
+    measured_takes: int = Field(0, description="measured tickets users took from their worker's stock")
+    empty_takes: int = Field(0, description="of those, takes that found the stock empty (a block awaited)")
+    wait_ms_per_take: float | None = Field(None, description="users' mean wait for a measured ticket, ms")
+
+
 class GeneratorCalibration(_Model):
     worker_id: str = Field(description="the load generator process")
     probe_lateness_ms: dict[str, float | int | None] | None = Field(
@@ -216,6 +229,7 @@ class Manifest(_Model):
     command: list[str] = Field(description="the command line")
     lost_in_flight: list[LostRequest] = Field(default_factory=list, description="requests lost in flight")
     load_generators: list[LoadGenerator] = Field(default_factory=list, description="distributed: per worker")
+    tickets: TicketLeases | None = Field(None, description="distributed: the master's ticket leases")
     client: ClientVerdict | None = Field(None, description="the load generators' self-calibration")
     receipt: ReceiptInfo | None = Field(
         None, description="how events are timed on receipt (this process's reader; null: a virtual run)"

@@ -14,7 +14,7 @@ from locust.runners import STATE_MISSING
 
 from loadlab import exits
 from loadlab.load import Ticket
-from loadlab.manifest import LoadGenerator
+from loadlab.manifest import LoadGenerator, TicketLeases
 from loadlab.swarm.messages import (
     LEASE_GUARD_S,
     ClockReport,
@@ -430,19 +430,30 @@ class Coordinator:
                 log.error("loadlab: worker %s: record batches up to %d never arrived", worker, last)
         log.info("loadlab: %s", self.lease_figures())
 
-    def lease_figures(self) -> str:
-        """One line: tickets leased, blocks, tickets leased again, requests returned unsent at the drain, and
-        how long users waited for a ticket."""
+    def ticket_leases(self) -> TicketLeases:
+        """The run's ticket leases: tickets, blocks, tickets leased again, requests returned unsent at the
+        drain, and how long users waited for a measured ticket (the workers' own counts, at their drain)."""
         takes = sum(n for n, _, _ in self.waits.values())
         waited = sum(s for _, s, _ in self.waits.values())
-        empty = sum(e for _, _, e in self.waits.values())
-        again = sum(self.re_leased.values())
-        per_block = self.leased / self.blocks if self.blocks else 0.0
-        wait = (f"{waited / takes * 1000:.3f} ms per measured ticket ({empty} of {takes} found the stock empty)"
-                if takes else "no measured ticket")  # fmt: skip
+        return TicketLeases(
+            leased=self.leased,
+            blocks=self.blocks,
+            leased_again=sum(self.re_leased.values()),
+            returned_unsent=self.returned,
+            measured_takes=takes,
+            empty_takes=sum(e for _, _, e in self.waits.values()),
+            wait_ms_per_take=waited / takes * 1000 if takes else None,
+        )
+
+    def lease_figures(self) -> str:
+        """``ticket_leases`` in one line (the master's log)."""
+        t = self.ticket_leases()
+        per_block = t.leased / t.blocks if t.blocks else 0.0
+        wait = (f"{t.wait_ms_per_take:.3f} ms per measured ticket ({t.empty_takes} of {t.measured_takes} found "
+                f"the stock empty)" if t.wait_ms_per_take is not None else "no measured ticket")  # fmt: skip
         return (
-            f"tickets: {self.leased} leased in {self.blocks} blocks ({per_block:.1f} a block)"
-            f"{f', {again} of dead workers leased again' if again else ''}"
-            f"{f', {self.returned} requests returned unsent at the drain' if self.returned else ''}"
+            f"tickets: {t.leased} leased in {t.blocks} blocks ({per_block:.1f} a block)"
+            f"{f', {t.leased_again} of dead workers leased again' if t.leased_again else ''}"
+            f"{f', {t.returned_unsent} requests returned unsent at the drain' if t.returned_unsent else ''}"
             f"; users waited {wait}"
         )

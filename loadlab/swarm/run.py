@@ -196,6 +196,7 @@ class Run:
             generators.append({"worker_id": self.worker_id, **calibration})
         if self.coordinator is not None:
             m.load_generators = self.coordinator.load_generators()
+            m.tickets = self.coordinator.ticket_leases()
             generators += self.coordinator.calibrations()
             m.failure = redact(self.coordinator.failure, self.api_key)
         if self.refused is not None:
