@@ -20,9 +20,12 @@ workers), written once per size into ``--dir`` and reused.
 each step also runs with that commit's tree (``git archive``; its own PYTHONPATH), alternately with this
 tree, ``--repeats`` times each, on the same files (records.parquet as this tree writes it). ``--one-token``:
 records whose every event carries one token (``make_big_run.py --one-token``, in their own directories).
+``--workload PROFILE``: the same records analysed as that profile's workload at their lengths (the manifest's
+``workload`` replaced by the profile's, in a work directory of its own): summary.json's cache-hit bound
+(``expected_cached_token_ratio``) is then that workload's, computed over every index as for a real run.
 
     python bench/big_run.py [--records 100000 1000000] [--dir /tmp/loadlab-bigrun] [--cores 1]
-        [--steps master convert summary html] [--before REV] [--repeats 1] [--one-token]
+        [--steps master convert summary html] [--before REV] [--repeats 1] [--one-token] [--workload PROFILE]
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ def main() -> None:
     parser.add_argument("--before", default=None)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--one-token", action="store_true", help="records whose every event is one token")
+    parser.add_argument("--workload", type=Path, default=None, help="analyse as this profile's workload")
     parser.add_argument("--step", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
@@ -141,13 +145,16 @@ def main() -> None:
         if not (src / "manifest.json").exists():
             make = [sys.executable, str(HERE / "make_big_run.py"), str(src), "--records", str(n)]
             subprocess.run(make + (["--one-token"] if args.one_token else []), check=True)
-        work = args.dir / f"w{n}{suffix}"
+        work = args.dir / (f"w{n}{suffix}" + (f"-{args.workload.stem}" if args.workload else ""))
         for kind in args.steps:
             if kind == "convert" or (kind in ("summary", "html") and not (work / "records.parquet").exists()):
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir(parents=True)
-                for name in ("records.jsonl", "manifest.json"):
-                    (work / name).symlink_to(src / name)
+                (work / "records.jsonl").symlink_to(src / "records.jsonl")
+                if args.workload is None:
+                    (work / "manifest.json").symlink_to(src / "manifest.json")
+                else:
+                    _with_workload(src, work, args.workload)
                 if kind != "convert":
                     _run("convert", work, args.cores, None)
             for _ in range(args.repeats):
@@ -155,6 +162,20 @@ def main() -> None:
                     result = _run(kind, src if kind == "master" else work, args.cores, tree)
                     print(f"{n:>8} {kind:<8} {name:<6} " + " ".join(f"{k}={_fmt(v)}" for k, v in result.items()),
                           flush=True)  # fmt: skip
+
+
+def _with_workload(src: Path, work: Path, profile_path: Path) -> None:
+    """``src``'s manifest in ``work`` with the workload (and its seed) of the profile at ``profile_path``, at the
+    records' own prompt and output lengths (so the bound is a share of the prompts the records sent)."""
+    from loadlab.manifest import read_manifest, write_manifest
+    from loadlab.profile import load_profile
+
+    manifest = read_manifest(src)
+    profile = load_profile(profile_path)
+    lengths = {k: manifest.profile["workload"][k] for k in ("input_len", "output_len")}
+    workload = {**profile.workload.model_dump(mode="json"), **lengths}
+    manifest.profile = {**manifest.profile, "seed": profile.seed, "workload": workload}
+    write_manifest(work, manifest)
 
 
 def _unpack(rev: str, into: Path) -> Path:
