@@ -864,6 +864,36 @@ def _cluster_scrapes() -> list[dict]:
     return rows
 
 
+def test_the_timelines_kv_panel_is_the_servers_mean_and_highest_not_each_server_again(tmp_path):
+    """With several servers each one's KV line is the per-worker figure's; the run's timeline shows the mean
+    and the fullest server per scrape round (a round without every server's value left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from loadlab.analysis.html import _timeline
+    from loadlab.records import load_records
+
+    run = make_run(tmp_path, _cluster_records())
+    rows = _cluster_scrapes()
+    fig = _timeline(load_records(run), rows)
+    kv = {line.get_label(): line for line in fig.axes[3].lines}
+    assert set(kv) == {"mean of 2 servers", "highest of 2 servers"}
+    a_usage = [0.1, 0.2, 0.7, 0.4, 0.3, 0.2, 0.1]  # A's rounds -1..5 (its round 60 alone: left out)
+    b_usage = [0.05 * (k + 1) for k in range(-1, 6)]
+    assert kv["mean of 2 servers"].get_ydata() == pytest.approx(
+        [50 * (a + b) for a, b in zip(a_usage, b_usage, strict=True)]
+    )
+    assert kv["highest of 2 servers"].get_ydata() == pytest.approx(
+        [100 * max(a, b) for a, b in zip(a_usage, b_usage, strict=True)]
+    )
+    first_send = min(r.t_send_wall for r in _cluster_records())
+    assert kv["mean of 2 servers"].get_xdata() == pytest.approx([T0 + k - first_send for k in range(-1, 6)])
+    # One server: its own line, unlabelled, in percent.
+    fig = _timeline(load_records(run), [r for r in rows if r.get("url") == A and r["round"] != 60])
+    (line,) = fig.axes[3].lines
+    assert line.get_ydata() == pytest.approx([100 * a for a in a_usage])
+
+
 def test_per_worker_figures_against_hand_computed_values(tmp_path):
     records = _cluster_records()
     run = make_run(tmp_path, records)

@@ -3,7 +3,7 @@
 Latency CDFs (TTFT, TPOT, ITL per token, E2E) of the measured, completed requests, and a per-second
 timeline over the run (the warm-up shaded): output tokens/s and requests in flight (from the records),
 TTFT of the requests sent in each second, and the server's running/queued requests and KV usage (from its
-/metrics, when scraped). With several workers (records naming their worker, or several servers scraped), a
+/metrics, when scraped; a cluster's KV as the servers' mean and highest). With several workers (records naming their worker, or several servers scraped), a
 per-worker timeline: each worker's requests in flight (records' served_by), and its running and queued
 requests and KV usage (its own /metrics rows), one line per worker, so one idle while others queue shows.
 With SLO classes the page opens with them: the overall verdict, a table of the classes side by side (counts,
@@ -178,10 +178,15 @@ def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]], events: RunEv
                 values,
                 label=name.replace("server", f"{len(servers)} servers") if len(servers) > 1 else name,
             )
-        for url in servers:  # KV usage is per server: one line each
-            rows = [r for r in server_rows if r.get("url") == url and "sglang:token_usage" in r.get("m", {})]
-            axes[3].plot([r["t"] - t0 for r in rows], [100 * r["m"]["sglang:token_usage"] for r in rows],
-                         label=url if len(servers) > 1 else None)  # fmt: skip
+        # KV usage is a share of each server's own cache: one server's line, or with several the mean and the
+        # fullest per round (each server's own line is the per-worker figure's).
+        kv_lines = (
+            [("mean", lambda v: sum(v) / len(v)), ("highest", max)] if len(servers) > 1 else [(None, sum)]
+        )
+        for label, combine in kv_lines:
+            ts, values = gauge_series(server_rows, "sglang:token_usage", combine)
+            axes[3].plot(np.array(ts) - t0, 100 * np.array(values, dtype=float),
+                         label=label and f"{label} of {len(servers)} servers")  # fmt: skip
         if len(servers) > 1:
             axes[3].legend(loc="upper right", fontsize=8)
         axes[3].set_ylabel("KV usage (%)")

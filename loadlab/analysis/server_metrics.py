@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +90,11 @@ def gone_from(rows: list[dict[str, Any]]) -> dict[str, float]:
     return first_fail_after
 
 
-def gauge_series(rows: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
-    """A gauge per scrape round (at the round's first scrape), summed across the servers: the requests
-    running or queued in a cluster are the sum of its servers'. A round where a server's value is missing
+def gauge_series(
+    rows: list[dict[str, Any]], name: str, combine: Callable[[list[float]], float] = sum
+) -> tuple[list[float], list[float]]:
+    """A gauge per scrape round (at the round's first scrape), summed across the servers (or ``combine``d:
+    ``max``, a mean): the requests running or queued in a cluster are the sum of its servers'. A round where a server's value is missing
     (a failed scrape, the edge of a window) is left out rather than summed short, except for a server that
     is gone (``gone_from``: its scrapes failed from then to the end): from its first failed scrape on, the
     sum is over the servers left, so a worker that died does not blank the rest of the run."""
@@ -116,7 +119,9 @@ def gauge_series(rows: list[dict[str, Any]], name: str) -> tuple[list[float], li
         if needed <= set(by_url):
             whole.append({url: v for url, v in by_url.items() if url in needed})
     whole = [b for b in whole if b]
-    return [min(t for t, _ in b.values()) for b in whole], [sum(v for _, v in b.values()) for b in whole]
+    return [min(t for t, _ in b.values()) for b in whole], [
+        combine([v for _, v in b.values()]) for b in whole
+    ]
 
 
 def gauge_peaks(
