@@ -485,6 +485,21 @@ def test_rag_passages_drawn_in_bulk_are_each_requests_own(k, corpus, zipf, seed)
         assert w.reusable_prefix(indices).tolist() == truth
 
 
+def test_rag_passages_in_chunks_equal_one_bulk_draw(monkeypatch):
+    """Past a chunk's size the bulk draw goes a chunk at a time (its temporaries reused): the same passages
+    and bound as one draw of every index, the chunks' edges anywhere."""
+    from loadlab.workload import generators
+
+    w = build_workload(validate_profile({"seed": 4, "workload": {"kind": "rag", "input_len": 256,
+        "output_len": 4, "instruction_len": 16, "question_len": 16, "passages_per_prompt": 3,
+        "corpus_size": 40, "zipf_s": 1.3}}))  # fmt: skip
+    indices = np.arange(5000)
+    whole, bound = w.passages_of(indices), w.reusable_prefix(indices)
+    monkeypatch.setattr(generators, "_BULK_CHUNK", 333)
+    assert np.array_equal(w.passages_of(indices), whole)
+    assert np.array_equal(w.reusable_prefix(indices), bound) and bound[1:].min() >= 16
+
+
 def test_bulk_first_draws_equal_numpys_generators():
     from loadlab.workload.bulk_rng import first_doubles
 
