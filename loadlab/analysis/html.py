@@ -64,16 +64,20 @@ def screenshot(page: Path, png: Path, width: int = 1280, height: int = 2400) -> 
     return png
 
 
-def png_base64(fig) -> str:
+def png_base64(fig, tight: bool = False) -> str:
+    """The figure as a PNG in base64. A report's figures set their own margins (``subplots_adjust``, sized
+    for their labels): ``tight`` (cropped to what was drawn) draws a figure twice, half of a report's plotting
+    time; a figure whose labels' size is not known beforehand asks for it."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight" if tight else None)
     return base64.b64encode(buf.getvalue()).decode()
 
 
 def _cdfs(samples: dict[str, np.ndarray], itl_label: str = "ITL (per token)"):
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
+    fig, axes = plt.subplots(1, 4, figsize=(13.3, 3.6))
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.15, top=0.85, wspace=0.22)
     for ax, (stem, title) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", itl_label),
                                         ("e2e_latency_ms", "E2E")), strict=True):  # fmt: skip
         values, count = _plotted(samples.get(stem))
@@ -159,7 +163,8 @@ def _timeline(df: pd.DataFrame, server_rows: list[dict[str, Any]], events: RunEv
     measured_ok = (df["phase"] == MEASURE).to_numpy() & (df["outcome"] == OK).to_numpy()
     ttft = pd.to_numeric(df["ttft_ms"], errors="coerce").to_numpy(dtype=float)
     ttft_p50 = _median_per_second(np.floor(t_send - t0), ttft, measured_ok & np.isfinite(ttft), span)
-    fig, axes = plt.subplots(4, 1, figsize=(16, 11), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(13.3, 9.2), sharex=True)
+    fig.subplots_adjust(left=0.07, right=0.99, bottom=0.06, top=0.99, hspace=0.15)
     axes[0].plot(seconds, tokens, drawstyle="steps-post")
     axes[0].set_ylabel("output tokens/s")
     axes[1].plot(seconds, in_flight, drawstyle="steps-post", label="in flight (client, mean per second)")
@@ -225,7 +230,8 @@ def _per_worker(df: pd.DataFrame, server_rows: list[dict[str, Any]], workers: li
     scraped = {same_server(r["url"]) for r in server_rows if "m" in r and isinstance(r.get("url"), str)}
     names = sorted({same_server(w) for w in workers} | scraped)
     colors = {w: plt.cm.tab10(i % 10) for i, w in enumerate(names)}
-    fig, axes = plt.subplots(4, 1, figsize=(16, 10), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(13.3, 8.6), sharex=True)
+    fig.subplots_adjust(left=0.07, right=0.99, bottom=0.06, top=0.96, hspace=0.15)
     t_send = pd.to_numeric(df["t_send_wall"], errors="coerce").to_numpy(dtype=float)
     e2e = pd.to_numeric(df["e2e_ms"], errors="coerce").to_numpy(dtype=float)
     end = np.where(np.isfinite(e2e), t_send + e2e / 1000.0, t_send)
@@ -315,7 +321,8 @@ def _class_cdfs(summary: Summary, class_samples: dict[str, dict[str, np.ndarray]
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(1, len(CLASS_PANELS), figsize=(16, 3.8))
+    fig, axes = plt.subplots(1, len(CLASS_PANELS), figsize=(13.3, 4.2))
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.13, top=0.83, wspace=0.2)
     for ax, (stem, title) in zip(axes, CLASS_PANELS, strict=True):
         top = 0.0
         for i, c in enumerate(summary.classes):
@@ -358,7 +365,7 @@ def _class_cdfs(summary: Summary, class_samples: dict[str, dict[str, np.ndarray]
     limit = Line2D([], [], color="black", ls="--", lw=1.2, marker="o", mfc="none",
                    label="SLO limit (its class's colour; o at its percentile)")  # fmt: skip
     # Above the panels, in one row: inside one it would hide a class's lines.
-    fig.legend(handles=[*handles, limit], loc="lower center", bbox_to_anchor=(0.5, 0.98),
+    fig.legend(handles=[*handles, limit], loc="upper center", bbox_to_anchor=(0.5, 1.0),
                ncol=len(handles) + 1, fontsize=9, frameon=False)  # fmt: skip
     axes[0].set_ylabel("fraction")
     return fig

@@ -312,7 +312,7 @@ def render_html(spec: SweepSpec, result: dict[str, Any]) -> str:
         if len(axis_names) == 1:
             ax.set_xlabel(axis_names[0])
         ax.grid(alpha=0.3)
-    images = [png_base64(fig)]
+    images = [png_base64(fig, tight=True)]  # the configurations' labels, rotated, vary in size
     plt.close(fig)
     cap = spec.capacity
     fig, axes = plt.subplots(1, 3 if cap else 2, figsize=(16 if cap else 11, 4.2))
@@ -320,7 +320,7 @@ def render_html(spec: SweepSpec, result: dict[str, Any]) -> str:
         _pareto_panel(ax, rows, ticks, column, slo.get(column.split()[0].lower() + "_p95_ms"), result)
     if cap is not None:
         _capacity_panel(axes[2], rows, x, ticks, log_x, cap, axis_names)
-    images.append(png_base64(fig))
+    images.append(png_base64(fig, tight=True))
     plt.close(fig)
     title = html.escape(f"loadlab sweep: {spec.name}")
     table = html.escape(render_md(spec, result, complete=True))
