@@ -22,7 +22,10 @@ GAP_MS = 20.0  # the session's scripted server: first event after 100 ms, then e
 # (case, users, warm-up, measured, output tokens)
 RUNS = [
     pytest.param("normal", 1, 2, 12, 24, id="normal-1user"),
-    pytest.param("multi4", 1, 1, 4, 30, id="multi4-1user"),
+    # 12 measured, as above: a P95 over 4 TTFTs is their largest, one descheduling of the scripted server
+    # between its write and its clock read (~2 ms on the 2-core VM, the reference's error, not the client's)
+    # failed it (TTFT P95 2.004 ms, n=4, with the kernel clock on).
+    pytest.param("multi4", 1, 1, 12, 30, id="multi4-1user"),
     pytest.param("normal", 64, 64, 192, 24, id="normal-64users"),
     pytest.param("multi4", 64, 64, 192, 32, id="multi4-64users"),
 ]
