@@ -3,9 +3,10 @@
 Latency CDFs (TTFT, TPOT, ITL per token, E2E) of the measured, completed requests, and a per-second
 timeline over the run (the warm-up shaded): output tokens/s and requests in flight (from the records),
 TTFT of the requests sent in each second, and the server's running/queued requests and KV usage (from its
-/metrics, when scraped; a cluster's KV as the servers' mean and highest). With several workers (records naming their worker, or several servers scraped), a
-per-worker timeline: each worker's requests in flight (records' served_by), and its running and queued
-requests and KV usage (its own /metrics rows), one line per worker, so one idle while others queue shows.
+/metrics, when scraped; a cluster's KV as the servers' mean and highest). With several workers (records
+naming their worker, or several servers scraped), a per-worker timeline: each worker's requests in flight
+(records' served_by), and its running and queued requests and KV usage (its own /metrics rows), one line
+per worker, so one idle while others queue shows.
 With SLO classes the page opens with them: the overall verdict, a table of the classes side by side (counts,
 TTFT/TPOT/E2E P50/P95/P99, output tok/s, verdict) and TTFT, TPOT and E2E CDFs with a line per class and each
 class's SLO limits, in its colour.

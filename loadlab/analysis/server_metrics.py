@@ -94,10 +94,11 @@ def gauge_series(
     rows: list[dict[str, Any]], name: str, combine: Callable[[list[float]], float] = sum
 ) -> tuple[list[float], list[float]]:
     """A gauge per scrape round (at the round's first scrape), summed across the servers (or ``combine``d:
-    ``max``, a mean): the requests running or queued in a cluster are the sum of its servers'. A round where a server's value is missing
-    (a failed scrape, the edge of a window) is left out rather than summed short, except for a server that
-    is gone (``gone_from``: its scrapes failed from then to the end): from its first failed scrape on, the
-    sum is over the servers left, so a worker that died does not blank the rest of the run."""
+    ``max``, a mean): the requests running or queued in a cluster are the sum of its servers'. A round where
+    a server's value is missing (a failed scrape, the edge of a window) is left out rather than summed short,
+    except for a server that is gone (``gone_from``: its scrapes failed from then to the end): from its first
+    failed scrape on, the sum is over the servers left, so a worker that died does not blank the rest of the
+    run."""
     servers = {r["url"] for r in rows if "m" in r}
     gone = gone_from(rows)
     rounds: dict[Any, dict[str, tuple[float, float]]] = {}
@@ -119,9 +120,8 @@ def gauge_series(
         if needed <= set(by_url):
             whole.append({url: v for url, v in by_url.items() if url in needed})
     whole = [b for b in whole if b]
-    return [min(t for t, _ in b.values()) for b in whole], [
-        combine([v for _, v in b.values()]) for b in whole
-    ]
+    times = [min(t for t, _ in b.values()) for b in whole]
+    return times, [combine([v for _, v in b.values()]) for b in whole]
 
 
 def gauge_peaks(
