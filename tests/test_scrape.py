@@ -171,3 +171,36 @@ def test_metrics_urls_scrapes_every_server_listed(tmp_path):
     server = json.loads((run / "summary.json").read_text())["server"]
     # 8 users on server a (at most 4 running) and none on b: the sum per round peaks at 4.
     assert server["servers"] == 2 and server["max_running"] == 4
+
+
+def test_a_run_shorter_than_the_scrapers_start_still_has_a_round(tmp_path):
+    """The scraper process needs its imports before its first round (~0.6 s, seconds on a busy machine): a
+    run that ends sooner stopped it with nothing written (a 1.7 s cluster run in CI had no server figures).
+    Its stop then takes the round itself; a scraper that wrote its rounds gets none added."""
+    import time
+
+    from loadlab.records import SERVER_METRICS
+    from loadlab.target.scraper import Scraper
+    from loadlab.testing.servers import started_twins
+
+    with started_twins(["--enable-metrics"], ["--enable-metrics"]) as twins:
+        urls = [t.url for t in twins]
+        early = tmp_path / "early"
+        early.mkdir()
+        Scraper(urls, early).start().stop()  # SIGTERM during its imports
+        rows = [json.loads(line) for line in (early / SERVER_METRICS).read_text().splitlines()]
+        assert [(r["url"], r["round"]) for r in rows] == [(u, 0) for u in urls]
+        assert all("sglang:num_running_reqs" in r["m"] for r in rows)
+
+        late = tmp_path / "late"
+        late.mkdir()
+        scraper = Scraper(urls, late, interval_s=0.2).start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len((late / SERVER_METRICS).read_text().splitlines() if
+                                                  (late / SERVER_METRICS).exists() else []) < 2 * len(urls):  # fmt: skip
+            time.sleep(0.05)
+        scraper.stop()
+        rows = [json.loads(line) for line in (late / SERVER_METRICS).read_text().splitlines()]
+        rounds = [r["round"] for r in rows]
+        assert len(rows) >= 2 * len(urls) and rounds == sorted(rounds)  # the child's rounds only, in order
+        assert all(rounds.count(k) == len(urls) for k in set(rounds))

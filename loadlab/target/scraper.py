@@ -12,6 +12,8 @@ seed's server-side columns (``loadlab.analysis.server_metrics`` reads the file);
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import signal
@@ -116,7 +118,8 @@ class Scraper:
         interval_s: float = DEFAULT_SCRAPE_INTERVAL_S,
         api_key: str | None = None,
     ):
-        self.cmd = [sys.executable, "-m", "loadlab.target.scraper", *urls, "--out", str(Path(run_dir) / SERVER_METRICS),
+        self.urls, self.out, self.api_key = urls, Path(run_dir) / SERVER_METRICS, api_key
+        self.cmd = [sys.executable, "-m", "loadlab.target.scraper", *urls, "--out", str(self.out),
                     "--interval", str(interval_s)]  # fmt: skip
         # The run's key reaches the child in its environment under one name, whatever the profile named.
         self.env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
@@ -130,6 +133,20 @@ class Scraper:
 
     def stop(self) -> None:
         stop(self.proc, timeout_s=5)
+        self._round_if_none()
+
+    def _round_if_none(self) -> None:
+        """A run shorter than the process's start (its imports take ~0.6 s, seconds on a busy machine; SIGTERM
+        before them kills it) would have no server figures at all: then one round is taken here, at the end."""
+        rows = []
+        with contextlib.suppress(FileNotFoundError), open(self.out) as f:  # the first round is enough to know
+            rows = [json.loads(line) for line in itertools.islice(f, len(self.urls)) if line.strip()]
+        if {r.get("url") for r in rows} >= set(self.urls):
+            return
+        last = max((r["round"] for r in rows if isinstance(r.get("round"), int)), default=-1)
+        with open(self.out, "a") as f:
+            for url in self.urls:
+                f.write(json.dumps({**scrape_once(url, api_key=self.api_key), "round": last + 1}) + "\n")
 
 
 if __name__ == "__main__":
