@@ -121,7 +121,9 @@ def test_the_llm_tab_in_chromium_shows_the_runs_exact_figures(tmp_path, browser)
         manifest = json.loads((run_dir / "manifest.json").read_text())
         assert manifest["load"]["concurrency"] == 6  # the form's user count, not the profile's 16
 
-        browser.find_element(By.XPATH, "//button[@role='tab' and normalize-space()='LLM']").click()
+        wait.until(
+            ec.element_to_be_clickable((By.XPATH, "//button[@role='tab' and normalize-space()='LLM']"))
+        ).click()
         cells = _wait(lambda: _llm_cells(browser, summary), 15, "the LLM tab's final rows")
         run_ttft = cells[("run", "TTFT (ms)")]
         assert run_ttft["P95"] == f"{summary['p95_ttft_ms']:.2f}"  # the acceptance figure
@@ -145,7 +147,11 @@ def test_the_llm_tab_in_chromium_shows_the_runs_exact_figures(tmp_path, browser)
             (REPO / "docs" / "img" / "llm-tab.png").write_bytes(shot)
 
         # Download Data: the run's three files, each link clicked.
-        browser.find_element(By.XPATH, "//button[@role='tab' and normalize-space()='Download Data']").click()
+        wait.until(
+            ec.element_to_be_clickable(
+                (By.XPATH, "//button[@role='tab' and normalize-space()='Download Data']")
+            )
+        ).click()
         links = {}
         for name in ("summary.md", "report.html", "records.parquet"):
             link = wait.until(
