@@ -140,7 +140,9 @@ class Scraper:
         before them kills it) would have no server figures at all: then one round is taken here, at the end."""
         rows = []
         with contextlib.suppress(FileNotFoundError), open(self.out) as f:  # the first round is enough to know
-            rows = [json.loads(line) for line in itertools.islice(f, len(self.urls)) if line.strip()]
+            for line in itertools.islice(f, len(self.urls)):
+                with contextlib.suppress(ValueError):  # a line cut short by a SIGKILL mid-write
+                    rows.append(json.loads(line))
         if {r.get("url") for r in rows} >= set(self.urls):
             return
         last = max((r["round"] for r in rows if isinstance(r.get("round"), int)), default=-1)
